@@ -1,0 +1,95 @@
+"""Step time with memprof.track over step time without, in one process.
+
+Blocks of steps alternate between untracked and tracked so that clock and
+thermal drift hit both sides alike; every step is timed with CUDA events
+(synchronised once per step) and the ratio of medians is reported:
+
+* ``light``: steps between profiled ones (``track(warmup=0, every=0)``) --
+  what almost every step of a long run costs;
+* ``profiled``: fully profiled steps (``track(warmup=0, every=1)``);
+* ``default``: the amortised cost of ``track()``'s default schedule over a run
+  of ``--run-length`` steps (3 profiled warm-up steps, then every 100th).
+
+    python benchmarks/overhead.py [WORKLOAD ...] [--rounds R] [--block K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import memprof  # noqa: E402
+from common import WORKLOADS, free  # noqa: E402
+
+MODES = {"light": dict(warmup=0, every=0), "profiled": dict(warmup=0, every=1)}
+
+
+def timed_steps(step, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def measure(name: str, rounds: int, block: int, run_length: int) -> dict:
+    w = WORKLOADS[name]()
+    timed_steps(w.step, 5)  # warm up kernels, allocator and optimizer state
+    times: dict[str, list[float]] = {"untracked": [], **{m: [] for m in MODES}}
+    for _ in range(rounds):
+        for mode, kw in MODES.items():
+            times["untracked"] += timed_steps(w.step, block)
+            with memprof.track(w.model, **kw):
+                times[mode] += timed_steps(w.step, block)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mean = {k: statistics.fmean(v) for k, v in times.items()}
+    profiled_steps = 3 + (run_length - 1) // 100
+    default = ((run_length - profiled_steps) * med["light"] + profiled_steps * med["profiled"]) / run_length
+    res = {
+        "workload": w.name,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "steps_per_side": {k: len(v) for k, v in times.items()},
+        "median_ms": med,
+        "mean_ms": mean,
+        "ratio_light": med["light"] / med["untracked"],
+        "ratio_profiled": med["profiled"] / med["untracked"],
+        f"ratio_default_{run_length}_steps": default / med["untracked"],
+    }
+    print(json.dumps(res, indent=1), flush=True)
+    free(w)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workloads", nargs="*", default=["gpt2-bf16", "gpt2-fp32", "resnet50-bf16"])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--block", type=int, default=6)
+    ap.add_argument("--run-length", type=int, default=1000)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    a = ap.parse_args()
+    results = [measure(n, a.rounds, a.block, a.run_length) for n in a.workloads]
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "overhead.json").write_text(json.dumps(results, indent=1))
+    key = f"ratio_default_{a.run_length}_steps"
+    print(f"{'workload':28} {'untracked ms':>12} {'light':>7} {'profiled':>9} {'default':>8}")
+    for r in results:
+        print(
+            f"{r['workload']:28} {r['median_ms']['untracked']:12.1f} {r['ratio_light']:7.3f}x "
+            f"{r['ratio_profiled']:8.3f}x {r[key]:7.3f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+"""Trainer integrations, installed as ``memprof.callbacks``."""
+
+__all__: list[str] = []

@@ -1,0 +1,117 @@
+"""The ledger: which live storage belongs to which category and module.
+
+Attribution is by storage, not by tensor, so views, tied weights and a tensor
+saved twice are counted once. Storages are held by weak reference only: the
+ledger never keeps user memory alive, and an entry disappears the moment its
+storage is freed (PyTorch keeps one Python object per storage alive as long as
+the storage lives, so a weak reference to it dies exactly with the memory).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from .categories import Category
+
+__all__ = ["Entry", "Ledger", "storage_bytes"]
+
+# CUDA's caching allocator hands out blocks in multiples of 512 bytes, with a
+# 512-byte minimum (c10/cuda/CUDACachingAllocator.cpp, round_size), and
+# torch.cuda.memory_allocated() counts those rounded blocks.
+_CUDA_BLOCK = 512
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> int:
+    """Bytes a storage occupies in its device's allocator."""
+    n = storage.nbytes()
+    if n and storage.device.type == "cuda":
+        return -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
+    return n
+
+
+@dataclass
+class Entry:
+    category: Category
+    module: str
+    detail: str
+    nbytes: int
+
+
+class Ledger:
+    """Live storages by category, with running totals that are O(1) to read."""
+
+    def __init__(self) -> None:
+        self._entries: dict[weakref.ref, Entry] = {}
+        self.totals: dict[Category, int] = defaultdict(int)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, storage: torch.UntypedStorage) -> Entry | None:
+        return self._entries.get(weakref.ref(storage))
+
+    def add(
+        self,
+        storage: torch.UntypedStorage,
+        category: Category,
+        module: str = "",
+        detail: str = "",
+        *,
+        replace: bool = False,
+    ) -> int:
+        """Record ``storage``; return the bytes newly attributed (0 if known).
+
+        With ``replace``, a storage already recorded under another category is
+        moved (a gradient of an activation that becomes a parameter's ``.grad``).
+        """
+        entries = self._entries
+        key = weakref.ref(storage)
+        old = entries.get(key)
+        if old is not None:
+            if not replace or (old.category is category and old.module == module):
+                return 0
+            self.totals[old.category] -= old.nbytes
+            old.category, old.module, old.detail = category, module, detail
+            self.totals[category] += old.nbytes
+            return old.nbytes
+        nbytes = storage_bytes(storage)
+        if nbytes == 0:
+            return 0
+        entries[weakref.ref(storage, self._forget)] = Entry(category, module, detail, nbytes)
+        self.totals[category] += nbytes
+        return nbytes
+
+    def _forget(self, key: weakref.ref) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.totals[entry.category] -= entry.nbytes
+
+    def attributed(self) -> int:
+        return sum(self.totals.values())
+
+    def snapshot(self) -> dict[Category, int]:
+        """Current bytes per category (a copy, safe to keep)."""
+        return {c: b for c, b in self.totals.items() if b}
+
+    def group(self, category: Category, by: str = "module") -> dict[str, int]:
+        """Bytes of one category grouped by ``module`` or ``detail``."""
+        out: dict[str, int] = defaultdict(int)
+        for entry in list(self._entries.values()):
+            if entry.category is category:
+                out[getattr(entry, by)] += entry.nbytes
+        return dict(out)
+
+    def drop(self, category: Category) -> None:
+        """Forget every entry of ``category`` (their storages stay untouched)."""
+        for key, entry in list(self._entries.items()):
+            if entry.category is category:
+                del self._entries[key]
+                self.totals[category] -= entry.nbytes
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.totals.clear()

@@ -1,0 +1,185 @@
+"""The Report: what memprof found, as data first and a rendering second.
+
+Live tracking and (later) simulation produce this same type, so a prediction
+and a measurement can be compared row by row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .categories import ALLOCATED, OUTSIDE_ALLOCATED, Category
+from .units import GiB, fmt_bytes
+
+__all__ = ["Breakdown", "Report", "MODULE_COLUMNS", "STEP_COLUMNS"]
+
+SCHEMA_VERSION = 1
+
+MODULE_COLUMNS = [
+    "type",
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "forward_peak_delta",
+    "backward_peak_delta",
+]
+STEP_COLUMNS = ["step", "profiled", "peak_allocated", "peak_reserved", "allocated", "reserved", "seconds"]
+
+
+@dataclass
+class Breakdown:
+    """Bytes per category at one moment (the peak of a step)."""
+
+    step: int
+    #: The phase in which that moment fell, e.g. ``backward:GPT2LMHeadModel.lm_head``.
+    phase: str
+    #: Category value -> bytes. Every allocated category is present; the
+    #: categories outside the allocator (fragmentation, non_pytorch) only
+    #: where the device reports them.
+    bytes: dict[str, int]
+
+    @property
+    def allocated(self) -> int:
+        """Sum of the allocated categories: ``torch.cuda.memory_allocated()`` on CUDA."""
+        return sum(self.bytes.get(c.value, 0) for c in ALLOCATED)
+
+    @property
+    def reserved(self) -> int | None:
+        if Category.FRAGMENTATION.value not in self.bytes:
+            return None
+        return self.allocated + self.bytes[Category.FRAGMENTATION.value]
+
+    @property
+    def named_fraction(self) -> float:
+        """Share of the allocated bytes that a category other than temporaries explains."""
+        total = self.allocated
+        return 1.0 - self.bytes.get(Category.TEMPORARIES.value, 0) / total if total else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "phase": self.phase, "bytes": dict(self.bytes)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Breakdown":
+        return cls(step=int(d["step"]), phase=str(d["phase"]), bytes={k: int(v) for k, v in d["bytes"].items()})
+
+
+def _empty(columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame(columns=columns)
+
+
+@dataclass
+class Report:
+    """Where training memory went.
+
+    ``peak`` is the breakdown at the highest peak among the profiled steps;
+    ``optimizer_state`` bytes per state name (Adam's ``exp_avg`` and
+    ``exp_avg_sq`` apart); ``modules`` one row per module; ``timeline`` the
+    samples of the last profiled steps; ``steps`` one row per step.
+    """
+
+    device: str
+    peak: Breakdown | None = None
+    optimizer_state: dict[str, int] = field(default_factory=dict)
+    modules: pd.DataFrame = field(default_factory=lambda: _empty(MODULE_COLUMNS))
+    timeline: pd.DataFrame = field(default_factory=lambda: _empty(["step", "seq", "phase", "allocated"]))
+    steps: pd.DataFrame = field(default_factory=lambda: _empty(STEP_COLUMNS))
+    #: ``"track"`` for a measurement; other producers name themselves.
+    source: str = "track"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- tables ---------------------------------------------------------------
+    def to_dataframe(self) -> pd.DataFrame:
+        """The peak breakdown as a table: category, bytes, GiB, share of allocated."""
+        rows = []
+        if self.peak is not None:
+            total = self.peak.allocated
+            for cat in (*ALLOCATED, *OUTSIDE_ALLOCATED):
+                if cat.value in self.peak.bytes:
+                    b = self.peak.bytes[cat.value]
+                    share = b / total if total and cat in ALLOCATED else float("nan")
+                    rows.append({"category": cat.value, "bytes": b, "GiB": b / GiB, "share": share})
+        return pd.DataFrame(rows, columns=["category", "bytes", "GiB", "share"])
+
+    # -- persistence ----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "source": self.source,
+            "device": self.device,
+            "meta": self.meta,
+            "peak": self.peak.to_dict() if self.peak else None,
+            "optimizer_state": dict(self.optimizer_state),
+            "modules": self.modules.reset_index(names="module").to_dict(orient="records"),
+            "timeline": self.timeline.to_dict(orient="records"),
+            "steps": self.steps.to_dict(orient="records"),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Report":
+        if d.get("schema") != SCHEMA_VERSION:
+            raise ValueError(
+                f"report schema {d.get('schema')!r} is not supported (this memprof reads schema {SCHEMA_VERSION}); "
+                "re-create the report with this version of memprof"
+            )
+        modules = pd.DataFrame(d["modules"], columns=["module", *MODULE_COLUMNS]).set_index("module")
+        return cls(
+            device=d["device"],
+            peak=Breakdown.from_dict(d["peak"]) if d["peak"] else None,
+            optimizer_state={k: int(v) for k, v in d["optimizer_state"].items()},
+            modules=modules,
+            timeline=pd.DataFrame(d["timeline"]),
+            steps=pd.DataFrame(d["steps"], columns=STEP_COLUMNS),
+            source=d.get("source", "track"),
+            meta=d.get("meta", {}),
+        )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write JSON atomically: a crash mid-write never leaves half a report."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f, indent=1, default=_json_default)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Report":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no report at {str(path)!r}: give the path that Report.save() wrote") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{str(path)!r} is not a memprof report (invalid JSON: {exc})") from None
+        return cls.from_dict(data)
+
+    # -- rendering ------------------------------------------------------------
+    def __rich_console__(self, console, options):
+        from .render import render_report
+
+        yield from render_report(self)
+
+    def __str__(self) -> str:
+        from .render import report_text
+
+        return report_text(self)
+
+
+def _json_default(o: Any) -> Any:
+    # numpy scalars and NaN-free floats from pandas records
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"cannot serialise {type(o).__name__} in a report")

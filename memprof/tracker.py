@@ -1,0 +1,561 @@
+"""``memprof.track``: live attribution of training memory.
+
+How it stays cheap. A training step is bound by Python launching kernels when
+the GPU is fast, so every microsecond spent in a hook shows. The tracker
+therefore works in two gears:
+
+* every step, it reads the allocator's counters once, at the step's end (peak
+  allocated and reserved since the previous step) and nothing else runs;
+* on *profiled* steps (the first ``warmup`` steps, then every ``every``-th),
+  it installs global module hooks, a saved-tensors hook, gradient hooks and
+  autograd-node hooks, samples the counters at every module boundary of
+  forward and backward, and attributes every live storage to a category and a
+  module. Those hooks are removed again at the step's end.
+
+Memory in a steady training loop repeats step after step, so profiling a few
+steps explains all of them; ``report().steps`` shows every step's peak, so a
+step that drifts from the profiled ones is visible.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections import defaultdict, deque
+from typing import Any, Iterable, Iterator
+
+import pandas as pd
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from .allocator import DeviceCounters
+from .categories import ALLOCATED, Category
+from .ledger import Ledger
+from .report import MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Report
+
+__all__ = ["Tracker", "track"]
+
+log = logging.getLogger(__name__)
+
+_NAMED = tuple(c for c in ALLOCATED if c is not Category.TEMPORARIES)
+_TIMELINE_ROWS_PER_STEP = 50_000
+
+# The tracker whose hooks are installed, if any: module and optimizer hooks are
+# process-global, so two trackers would see (and reset the counters of) each
+# other's steps.
+_active: weakref.ref | None = None
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in a module's inputs or outputs (one level of containers, and HF ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            if isinstance(o, torch.Tensor):
+                yield o
+    elif isinstance(obj, dict):  # also HF ModelOutput, an OrderedDict
+        for o in obj.values():
+            if isinstance(o, torch.Tensor):
+                yield o
+
+
+def _top_saved_tensors_hooks():
+    """The saved-tensors hooks active now (e.g. ``save_on_cpu``), to chain to."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+class _Span:
+    """A module's forward or backward in a profiled step: where it began, its highest point."""
+
+    __slots__ = ("name", "start", "high")
+
+    def __init__(self, name: str, start: int) -> None:
+        self.name, self.start, self.high = name, start, start
+
+
+class Tracker:
+    """Context manager returned by :func:`track`; see there."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        device: torch.device | str | None = None,
+        warmup: int = 3,
+        every: int = 100,
+        timeline_steps: int = 3,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"memprof.track needs an nn.Module, got {type(model).__name__}: pass your model, e.g. track(model)")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}; "
+                "leave it out to find the optimizer automatically"
+            )
+        for arg, value, low in (("warmup", warmup, 0), ("every", every, 0), ("timeline_steps", timeline_steps, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
+        self._model = weakref.ref(model)
+        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+        self.device = self._resolve_device(model, device)
+        self.warmup, self.every = warmup, every
+        self._counters = DeviceCounters(self.device)
+        self._ledger = Ledger()
+        root = type(model).__name__
+        self._root_name = root
+        # module -> qualified name, prefixed by the root's class so names are
+        # unique and readable in phases ("GPT2LMHeadModel.transformer.h.0").
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary(
+            (m, f"{root}.{n}" if n else root) for n, m in model.named_modules()
+        )
+        self._types = {self._names[m]: type(m).__name__ for m in model.modules()}
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+        self._primary: weakref.ref | None = self._optimizer
+
+        self._handles: list = []  # removed on exit
+        self._step_handles: list = []  # removed at the end of each profiled step
+        self._saved_hooks: saved_tensors_hooks | None = None
+        self._active = False
+
+        self.step = 0
+        self._forwards = 0
+        self._profiled = False
+        self._t0 = 0.0
+        self._steps: list[tuple] = []
+        self._peaks: list[Breakdown] = []
+        self._timeline: deque[list[tuple]] = deque(maxlen=timeline_steps)
+        self._modules: dict[str, dict[str, int]] = {}
+        self._optimizer_state: dict[str, int] = {}
+
+    # -- public ----------------------------------------------------------------
+    def __enter__(self) -> "Tracker":
+        global _active
+        if _active is not None and _active() is not None:
+            raise RuntimeError(
+                "memprof.track is already active; nested or concurrent tracking is not supported because module and "
+                "optimizer hooks and CUDA's peak counters are process-wide. Track the outer model only, or close the "
+                "first track() block before opening another."
+            )
+        model = self._model()
+        try:
+            _active = weakref.ref(self)
+            self._active = True
+            self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
+            self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
+            self._handles.append(model.register_forward_pre_hook(self._on_root_pre))
+            if self._optimizer is not None:
+                self._optimizers[self._optimizer()] = True
+            self._begin_step()
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._forwards and exc[0] is None:
+                self._end_step()
+        finally:
+            self._close()
+
+    def report(self) -> Report:
+        """What was measured so far (callable inside or after the ``with`` block)."""
+        peak = max(self._peaks, key=lambda b: (b.allocated, b.step), default=None)
+        names = list(self._types)
+        modules = pd.DataFrame(
+            [{"type": self._types[n], **{c: self._modules.get(n, {}).get(c, 0) for c in MODULE_COLUMNS[1:]}} for n in names],
+            index=pd.Index(names, name="module"),
+            columns=MODULE_COLUMNS,
+        )
+        cols = ["step", "seq", "phase", "allocated", "interval_peak", "reserved", *[c.value for c in ALLOCATED]]
+        timeline = pd.DataFrame([r for rows in self._timeline for r in rows], columns=cols)
+        meta = {"torch": torch.__version__, "profiled_steps": [b.step for b in self._peaks]}
+        if self.device.type == "cuda":
+            meta["gpu"] = torch.cuda.get_device_name(self.device)
+        return Report(
+            device=str(self.device),
+            peak=peak,
+            optimizer_state=dict(self._optimizer_state),
+            modules=modules,
+            timeline=timeline,
+            steps=pd.DataFrame(self._steps, columns=STEP_COLUMNS),
+            source="track",
+            meta=meta,
+        )
+
+    # -- steps -----------------------------------------------------------------
+    def _should_profile(self, step: int) -> bool:
+        return step < self.warmup or (self.every > 0 and step % self.every == 0)
+
+    def _begin_step(self) -> None:
+        self._forwards = 0
+        self._profiled = self._should_profile(self.step)
+        self._counters.reset_peak()
+        if self._profiled:
+            self._start_profile()
+        self._t0 = time.perf_counter()
+
+    def _end_step(self) -> None:
+        seconds = time.perf_counter() - self._t0
+        if self._profiled:
+            self._finish_profile()
+            peak = self._peaks[-1]
+            row = (self.step, True, peak.allocated, self._reserved_high, self._last_alloc, self._last_reserved, seconds)
+        else:
+            c = self._counters.read()
+            if c is None:  # no allocator counters on the CPU: only profiled steps are measured
+                row = (self.step, False, None, None, None, None, seconds)
+            else:
+                row = (self.step, False, c.peak_allocated, c.peak_reserved, c.allocated, c.reserved, seconds)
+        self._steps.append(row)
+
+    # -- profiled steps --------------------------------------------------------
+    def _start_profile(self) -> None:
+        self._refresh_state()
+        self._fwd: list[_Span] = []
+        self._bwd: dict[str, _Span] = {}
+        self._phase = "other"
+        self._rows: list[tuple] = []
+        self._timeline.append(self._rows)
+        self._saved_by: dict[str, int] = defaultdict(int)
+        self._saved_seen: set = set()
+        self._activations: dict[str, int] = defaultdict(int)
+        self._fwd_delta: dict[str, int] = defaultdict(int)
+        self._bwd_delta: dict[str, int] = defaultdict(int)
+        self._gradients: dict[str, int] = {}
+        self._peak: tuple | None = None
+        self._reserved_high: int | None = None
+        c = self._counters.read()
+        self._last_alloc = c.allocated if c else self._ledger.attributed()
+        self._last_reserved = c.reserved if c else None
+        self._last_totals = self._ledger.snapshot()
+        h = self._step_handles
+        h.append(nn.modules.module.register_module_forward_pre_hook(self._on_pre))
+        h.append(nn.modules.module.register_module_forward_hook(self._on_post, always_call=True))
+        for p in self._model().parameters():
+            if p.requires_grad:
+                h.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    def _finish_profile(self) -> None:
+        self._sample("end")
+        for span in list(self._bwd.values()):
+            self._close_backward(span.name)
+        for handle in self._step_handles:
+            handle.remove()
+        self._step_handles.clear()
+        self._pop_saved_hooks()
+        alloc, phase, totals, reserved = self._peak
+        counts = {c.value: totals.get(c, 0) for c in _NAMED}
+        counts[Category.TEMPORARIES.value] = alloc - sum(counts.values())
+        if reserved is not None:
+            counts[Category.FRAGMENTATION.value] = max(reserved - alloc, 0)
+            used = self._counters.nvml_used()
+            if used is not None:
+                counts[Category.NON_PYTORCH.value] = max(used - self._last_reserved, 0)
+        self._peaks.append(Breakdown(step=self.step, phase=phase, bytes=counts))
+        # Module table of the latest profiled step (steady state).
+        led = self._ledger
+        groups = {
+            "parameters": led.group(Category.PARAMETERS),
+            "gradients": self._gradients or led.group(Category.GRADIENTS),
+            "optimizer_state": led.group(Category.OPTIMIZER_STATE),
+            "activations": self._activations,
+            "forward_peak_delta": self._fwd_delta,
+            "backward_peak_delta": self._bwd_delta,
+        }
+        self._modules = {n: {col: int(g.get(n, 0)) for col, g in groups.items()} for n in self._types}
+        self._optimizer_state = led.group(Category.OPTIMIZER_STATE, by="detail")
+        # Activations and their gradients of this step are dead or about to be;
+        # keep the ledger small between profiled steps.
+        for cat in (Category.ACTIVATIONS, Category.ACTIVATION_GRADIENTS, Category.INPUTS):
+            led.drop(cat)
+
+    def _refresh_state(self) -> None:
+        """Record parameters, buffers, gradients and optimizer state that exist now."""
+        led, root, dev = self._ledger, self._root_name, self.device
+        model = self._model()
+        for name, p in model.named_parameters():
+            if self._on_device(p):
+                led.add(p.untyped_storage(), Category.PARAMETERS, _owner(root, name), name)
+                if p.grad is not None and self._on_device(p.grad):
+                    led.add(p.grad.untyped_storage(), Category.GRADIENTS, _owner(root, name), name, replace=True)
+        for name, b in model.named_buffers():
+            if self._on_device(b):
+                led.add(b.untyped_storage(), Category.BUFFERS, _owner(root, name), name)
+        for opt in list(self._optimizers.keys()):
+            self._record_optimizer_state(opt)
+        del dev
+
+    def _record_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
+        led = self._ledger
+        for p, state in opt.state.items():
+            owner = led.get(p.untyped_storage()) if isinstance(p, torch.Tensor) else None
+            module = owner.module if owner is not None else ""
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and self._on_device(value):
+                    led.add(value.untyped_storage(), Category.OPTIMIZER_STATE, module, str(key))
+
+    def _on_device(self, t: torch.Tensor) -> bool:
+        d = t.device
+        return d.type == self.device.type and d.index == self.device.index
+
+    def _sample(self, phase: str) -> int:
+        """Close the interval that ran in the current phase; return allocated bytes now."""
+        c = self._counters.read()
+        totals = self._ledger.snapshot()
+        if c is None:
+            alloc = sum(totals.values())
+            high, reserved, reserved_high = max(alloc, self._last_alloc), None, None
+        else:
+            self._counters.reset_peak()
+            alloc, high, reserved, reserved_high = c.allocated, c.peak_allocated, c.reserved, c.peak_reserved
+            self._reserved_high = max(self._reserved_high or 0, reserved_high)
+        if self._peak is None or high > self._peak[0]:
+            # Between two samples only the counters' peak is known; attribute it
+            # with the ledger of the higher end and call the rest temporaries.
+            named = totals if alloc >= self._last_alloc else self._last_totals
+            self._peak = (high, self._phase, named, reserved_high)
+        for span in self._fwd:
+            span.high = max(span.high, high)
+        for span in self._bwd.values():
+            span.high = max(span.high, high)
+        if len(self._rows) < _TIMELINE_ROWS_PER_STEP:
+            named_now = [totals.get(cat, 0) for cat in _NAMED]
+            self._rows.append(
+                (self.step, len(self._rows), self._phase, alloc, high, reserved, *named_now, alloc - sum(named_now))
+            )
+        self._last_alloc, self._last_totals, self._last_reserved = alloc, totals, reserved
+        self._phase = phase
+        return alloc
+
+    # -- hooks: forward --------------------------------------------------------
+    def _on_root_pre(self, module: nn.Module, args: tuple) -> None:
+        self._forwards += 1
+
+    def _on_pre(self, module: nn.Module, args: tuple) -> None:
+        name = self._names.get(module)
+        if name is None:  # a module outside the tracked model: part of its caller
+            return
+        alloc = self._sample("forward:" + name)
+        if not self._fwd:  # the root: its inputs, and start watching saved tensors
+            for t in _tensors(args):
+                if self._on_device(t):
+                    self._ledger.add(t.untyped_storage(), Category.INPUTS, name)
+            self._saved_seen.clear()
+            self._push_saved_hooks()
+        self._fwd.append(_Span(name, alloc))
+        needs_grad = [t for t in _tensors(args) if t.requires_grad]
+        if needs_grad:
+            register_multi_grad_hook(needs_grad, lambda g, n=name: self._on_backward_end(n), mode="any")
+
+    def _on_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        name = self._names.get(module)
+        if name is None or not self._fwd or self._fwd[-1].name != name:
+            return
+        span = self._fwd[-1]
+        is_root = len(self._fwd) == 1
+        if is_root:
+            self._pop_saved_hooks()
+        alloc = self._sample("forward:" + self._fwd[-2].name if not is_root else "other")
+        self._fwd.pop()
+        self._fwd_delta[name] = max(self._fwd_delta[name], max(span.high, alloc) - span.start)
+        outs = [t for t in _tensors(output) if t.requires_grad]
+        if outs:
+            register_multi_grad_hook(outs, lambda g, n=name: self._on_backward_start(n), mode="any")
+            if is_root:
+                self._hook_graph(outs)
+
+    def _push_saved_hooks(self) -> None:
+        inner = _top_saved_tensors_hooks()
+        pack_inner, unpack_inner = inner if inner else (None, None)
+
+        def pack(t: torch.Tensor) -> Any:
+            packed = pack_inner(t) if pack_inner is not None else t
+            # What stays on the device is what the (possibly chained) hook kept:
+            # save_on_cpu returns a host copy, which costs the device nothing.
+            if isinstance(packed, torch.Tensor) and self._on_device(packed):
+                self._on_saved(packed)
+            return packed
+
+        unpack = unpack_inner if unpack_inner is not None else _identity
+        self._saved_hooks = saved_tensors_hooks(pack, unpack)
+        self._saved_hooks.__enter__()
+
+    def _pop_saved_hooks(self) -> None:
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+
+    def _on_saved(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        module = self._fwd[-1].name if self._fwd else self._root_name
+        added = self._ledger.add(storage, Category.ACTIVATIONS, module)
+        key = (module, weakref.ref(storage))
+        if key not in self._saved_seen:  # bytes this module's own ops keep, once per storage
+            self._saved_seen.add(key)
+            entry = self._ledger.get(storage)
+            if entry is not None and entry.category not in (Category.PARAMETERS, Category.BUFFERS):
+                self._activations[module] += entry.nbytes
+        del added
+
+    # -- hooks: backward -------------------------------------------------------
+    def _hook_graph(self, outputs: Iterable[torch.Tensor]) -> None:
+        """Hook every autograd node of this forward to name the gradients it produces."""
+        seen: set = set()
+        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if not hasattr(node, "variable"):  # AccumulateGrad: its output is a parameter's .grad
+                node.register_hook(self._on_node_grads)
+            todo.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
+
+    def _on_node_grads(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        if not self._active or not self._profiled:
+            return
+        module = self._phase.partition(":")[2] or self._root_name
+        for g in grad_inputs:
+            if g is not None and self._on_device(g):
+                self._ledger.add(g.untyped_storage(), Category.ACTIVATION_GRADIENTS, module)
+
+    def _backward_phase(self, names: Iterable[str]) -> str:
+        # The innermost open module: a module and its last child share an
+        # output tensor, and the child's hook fires first.
+        inner = max(names, key=lambda n: n.count("."), default=None)
+        return "backward:" + inner if inner is not None else "backward"
+
+    def _on_backward_start(self, name: str) -> None:
+        if not self._active or not self._profiled or name in self._bwd:
+            return
+        alloc = self._sample(self._backward_phase([*self._bwd, name]))
+        self._bwd[name] = _Span(name, alloc)
+
+    def _on_backward_end(self, name: str) -> None:
+        if self._active and self._profiled and name in self._bwd:
+            self._close_backward(name)
+
+    def _close_backward(self, name: str) -> None:
+        alloc = self._sample(self._backward_phase(n for n in self._bwd if n != name))
+        span = self._bwd.pop(name)
+        self._bwd_delta[name] = max(self._bwd_delta[name], max(span.high, alloc) - span.start)
+
+    def _on_grad_accumulated(self, p: torch.Tensor) -> None:
+        if p.grad is not None and self._on_device(p.grad):
+            owner = self._ledger.get(p.untyped_storage())
+            self._ledger.add(p.grad.untyped_storage(), Category.GRADIENTS, owner.module if owner else "", replace=True)
+
+    # -- hooks: optimizer ------------------------------------------------------
+    def _is_ours(self, opt: torch.optim.Optimizer) -> bool:
+        known = self._optimizers.get(opt)
+        if known is None:
+            if self._optimizer is not None:
+                known = False
+            else:  # an optimizer over the tracked model's parameters
+                led = self._ledger
+                known = any(
+                    (e := led.get(p.untyped_storage())) is not None and e.category is Category.PARAMETERS
+                    for g in opt.param_groups
+                    for p in g["params"][:1]
+                )
+            self._optimizers[opt] = known
+            if known and self._primary is None:
+                self._primary = weakref.ref(opt)
+        return known
+
+    def _on_optimizer_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self._is_ours(opt) or not self._profiled:
+            return
+        for span in list(self._bwd.values()):
+            self._close_backward(span.name)
+        self._gradients = self._ledger.group(Category.GRADIENTS)
+        self._sample("optimizer")
+
+    def _on_optimizer_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self._is_ours(opt):
+            return
+        if self._profiled:
+            self._record_optimizer_state(opt)  # Adam creates its state at the first step
+        if self._primary is not None and self._primary() is opt:
+            self._end_step()
+            self.step += 1
+            self._begin_step()
+
+    # -- teardown --------------------------------------------------------------
+    def _close(self) -> None:
+        global _active
+        self._active = False
+        self._pop_saved_hooks()
+        for handle in (*self._step_handles, *self._handles):
+            handle.remove()
+        self._step_handles.clear()
+        self._handles.clear()
+        self._ledger.clear()
+        if _active is not None and _active() is self:
+            _active = None
+
+    @staticmethod
+    def _resolve_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+        if device is None:
+            p = next(iter(model.parameters()), None)
+            device = p.device if p is not None else torch.device("cpu")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device {device!r} is not a torch device; use e.g. 'cuda', 'cuda:1' or 'cpu'") from None
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _owner(root: str, qualified: str) -> str:
+    """Module that owns a parameter or buffer named ``a.b.weight`` -> ``Root.a.b``."""
+    prefix = qualified.rpartition(".")[0]
+    return f"{root}.{prefix}" if prefix else root
+
+
+def track(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    device: torch.device | str | None = None,
+    warmup: int = 3,
+    every: int = 100,
+    timeline_steps: int = 3,
+) -> Tracker:
+    """Attribute live training memory while the ``with`` block runs.
+
+    ::
+
+        with memprof.track(model) as prof:
+            for batch in loader:
+                loss = model(batch).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        print(prof.report())
+
+    A step ends when the optimizer steps (found through PyTorch's global
+    optimizer hooks unless given). ``warmup`` steps are profiled in full, then
+    every ``every``-th step (``every=1``: all; ``0``: none after warmup); the
+    other steps cost one read of the allocator's counters. ``timeline_steps``
+    bounds the timeline to the samples of that many profiled steps.
+
+    On CUDA, the categories of every sample add up to
+    ``torch.cuda.memory_allocated()``, and a step's peak breakdown adds up to
+    its ``max_memory_allocated()``. To measure per-interval peaks the tracker
+    resets CUDA's peak counters: inside the block, read peaks from
+    ``report().steps`` rather than from ``torch.cuda.max_memory_allocated()``.
+    """
+    return Tracker(model, optimizer, device=device, warmup=warmup, every=every, timeline_steps=timeline_steps)

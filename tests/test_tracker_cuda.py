@@ -1,0 +1,81 @@
+"""memprof.track against CUDA's own allocator counters (skipped without a GPU)."""
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from conftest import cuda
+from memprof.categories import ALLOCATED
+
+pytestmark = [cuda, pytest.mark.cuda]
+MiB = 1 << 20
+
+
+def workload():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024), nn.LayerNorm(1024)]
+    model = nn.Sequential(*layers).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(64, 256, 1024, device="cuda")
+
+    def step():
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+def test_categories_add_up_and_peak_matches_max_memory_allocated():
+    model, opt, step = workload()
+    untracked = []
+    for _ in range(4):
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        untracked.append(torch.cuda.max_memory_allocated())
+    with memprof.track(model, every=1, timeline_steps=4) as prof:
+        for _ in range(4):
+            step()
+    r = prof.report()
+    tl = r.timeline
+    cats = [c.value for c in ALLOCATED]
+    assert (tl[cats].sum(axis=1) == tl["allocated"]).all()
+    assert (tl["temporaries"] >= 0).all()  # nothing counted twice
+    # Steady-state steps allocate identically: the tracked peak is the untracked one, to the byte.
+    assert r.steps["peak_allocated"].tolist()[1:] == untracked[1:]
+    assert r.peak.allocated == max(untracked[1:])
+    assert r.peak.named_fraction >= 0.9
+    assert r.peak.bytes["fragmentation"] >= 0
+    assert "non_pytorch" in r.peak.bytes or pytest.importorskip("pynvml") is None
+    # 4 x (1024x4096 + 4096 + 4096x1024 + 1024 + 2x1024) fp32 parameters, each rounded to 512 B blocks
+    n = 4 * (2 * 1024 * 4096 * 4 + 4096 * 4 + 3 * 1024 * 4)
+    assert r.peak.bytes["parameters"] == n
+    assert r.optimizer_state["exp_avg"] == r.optimizer_state["exp_avg_sq"] == n
+
+
+def test_light_steps_report_the_counters():
+    model, opt, step = workload()
+    with memprof.track(model, warmup=1, every=0) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    steps = prof.report().steps
+    assert steps["profiled"].tolist() == [True, False, False]
+    assert steps["peak_allocated"].iloc[1] == steps["peak_allocated"].iloc[2] > 0
+
+
+def test_save_on_cpu_keeps_activations_off_the_device():
+    model, opt, _ = workload()
+    x = torch.randn(64, 256, 1024, device="cuda")
+    with memprof.track(model) as prof:
+        for _ in range(2):
+            with torch.autograd.graph.save_on_cpu():
+                loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert prof.report().modules["activations"].sum() == 0
