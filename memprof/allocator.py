@@ -1,8 +1,10 @@
 """Counters of the device allocator: PyTorch's caching allocator and NVML.
 
-Reading ``torch.cuda.memory_stats`` builds a dict of a few hundred entries,
-so the tracker reads it at phase boundaries of profiled steps only and once
-per step otherwise.
+``torch.cuda.memory_stats()`` flattens the allocator's nested statistics in
+Python: 142 us a call on an H200 host, against 21 us for the nested dict it
+starts from (benchmarks/results/profile_hooks-*.txt). The tracker reads
+counters at every module boundary of a profiled step, so it reads the nested
+dict directly where this PyTorch build has it.
 """
 
 from __future__ import annotations
@@ -32,10 +34,17 @@ class DeviceCounters:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.available = device.type == "cuda"
+        self._index = device.index if device.index is not None else 0
+        self._nested = getattr(torch._C, "_cuda_memoryStats", None)
+        self._reset = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
 
     def read(self) -> Counters | None:
         if not self.available:
             return None
+        if self._nested is not None:
+            s = self._nested(self._index)
+            a, r = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
+            return Counters(a["current"], r["current"], a["peak"], r["peak"])
         s = torch.cuda.memory_stats(self.device)
         return Counters(
             s.get("allocated_bytes.all.current", 0),
@@ -45,7 +54,11 @@ class DeviceCounters:
         )
 
     def reset_peak(self) -> None:
-        if self.available:
+        if not self.available:
+            return
+        if self._reset is not None:
+            self._reset(self._index)
+        else:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def nvml_used(self) -> int | None:

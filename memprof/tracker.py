@@ -235,6 +235,7 @@ class Tracker:
         self._last_alloc = c.allocated if c else self._ledger.attributed()
         self._last_reserved = c.reserved if c else None
         self._last_totals = self._ledger.snapshot()
+        self._big = max(self._last_alloc >> 5, 1 << 20)
         h = self._step_handles
         h.append(nn.modules.module.register_module_forward_pre_hook(self._on_pre))
         h.append(nn.modules.module.register_module_forward_hook(self._on_post, always_call=True))
@@ -331,6 +332,7 @@ class Tracker:
                 (self.step, len(self._rows), self._phase, alloc, high, reserved, *named_now, alloc - sum(named_now))
             )
         self._last_alloc, self._last_totals, self._last_reserved = alloc, totals, reserved
+        self._big = max(alloc >> 5, 1 << 20)
         self._phase = phase
         return alloc
 
@@ -396,13 +398,14 @@ class Tracker:
         storage = t.untyped_storage()
         module = self._fwd[-1].name if self._fwd else self._root_name
         added = self._ledger.add(storage, Category.ACTIVATIONS, module)
+        if added >= self._big:
+            self._sample(self._phase)
         key = (module, weakref.ref(storage))
         if key not in self._saved_seen:  # bytes this module's own ops keep, once per storage
             self._saved_seen.add(key)
             entry = self._ledger.get(storage)
             if entry is not None and entry.category not in (Category.PARAMETERS, Category.BUFFERS):
                 self._activations[module] += entry.nbytes
-        del added
 
     # -- hooks: backward -------------------------------------------------------
     def _hook_graph(self, outputs: Iterable[torch.Tensor]) -> None:
@@ -422,9 +425,15 @@ class Tracker:
         if not self._active or not self._profiled:
             return
         module = self._phase.partition(":")[2] or self._root_name
+        added = 0
         for g in grad_inputs:
             if g is not None and self._on_device(g):
-                self._ledger.add(g.untyped_storage(), Category.ACTIVATION_GRADIENTS, module)
+                added += self._ledger.add(g.untyped_storage(), Category.ACTIVATION_GRADIENTS, module)
+        if added >= self._big:
+            # A large gradient was just produced, and the node's saved tensors
+            # are still alive (autograd frees them after its post hooks): the
+            # likeliest moment of a backward peak, so look at it exactly.
+            self._sample(self._phase)
 
     def _backward_phase(self, names: Iterable[str]) -> str:
         # The innermost open module: a module and its last child share an
