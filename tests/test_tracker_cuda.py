@@ -79,3 +79,52 @@ def test_save_on_cpu_keeps_activations_off_the_device():
             opt.step()
             opt.zero_grad()
     assert prof.report().modules["activations"].sum() == 0
+
+
+def _hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=8192)
+    model = transformers.GPT2LMHeadModel(cfg).cuda()
+    ids = torch.randint(0, 8192, (8, 512), device="cuda")
+    return model, lambda: model(input_ids=ids, labels=ids).loss
+
+
+def _resnet18():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().cuda()
+    x = torch.randn(32, 3, 224, 224, device="cuda")
+    y = torch.randint(0, 1000, (32,), device="cuda")
+    return model, lambda: nn.functional.cross_entropy(model(x), y)
+
+
+@pytest.mark.parametrize("build", [_hf_gpt2, _resnet18], ids=["gpt2", "resnet18"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_real_models(build, dtype):
+    model, loss_fn = build()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step():
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = loss_fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    untracked = []
+    for _ in range(3):
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        untracked.append(torch.cuda.max_memory_allocated())
+    with memprof.track(model, every=1) as prof:
+        for _ in range(3):
+            step()
+    r = prof.report()
+    cats = [c.value for c in ALLOCATED]
+    assert (r.timeline[cats].sum(axis=1) == r.timeline["allocated"]).all()
+    assert (r.timeline["temporaries"] >= 0).all()
+    assert r.steps["peak_allocated"].tolist()[1:] == untracked[1:]
+    assert r.peak.named_fraction >= 0.9, r.peak
+    n_params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert abs(r.peak.bytes["parameters"] - n_params) < 512 * len(list(model.parameters()))
