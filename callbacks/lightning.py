@@ -1,0 +1,252 @@
+"""``MemprofCallback``: :func:`memprof.track` around Lightning's training loop.
+
+::
+
+    from lightning import Trainer
+    from memprof.callbacks import MemprofCallback
+
+    memprof_cb = MemprofCallback(save_path="memprof.json")
+    trainer = Trainer(callbacks=[memprof_cb])
+    trainer.fit(model)
+    memprof_cb.report.to_dataframe()
+
+Lightning calls ``optimizer.step(closure)`` on a ``LightningOptimizer`` whose
+torch optimizer runs forward and backward inside its ``step``; the tracker
+ends a step at that optimizer's (global) step hooks, so one step of the report
+is one optimizer step: ``len(report.steps) == trainer.global_step`` for a fit
+from scratch with one optimizer, gradient accumulation included.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks.callback import Callback
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+except ImportError as exc:  # pragma: no cover - exercised with lightning hidden
+    raise ImportError(
+        "memprof.callbacks.MemprofCallback needs Lightning, which is not installed: "
+        'pip install lightning (or pip install "memprof[lightning]")'
+    ) from exc
+
+from typing_extensions import override  # a dependency of torch and of Lightning
+
+from memprof.report import Report
+from memprof.tracker import Tracker, track
+from memprof.units import GiB
+
+__all__ = ["MemprofCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class MemprofCallback(Callback):
+    r"""Attribute training memory with :func:`memprof.track` while ``Trainer.fit`` trains.
+
+    The tracker is entered at ``on_train_start`` (after the sanity check and
+    after a checkpoint is restored, with the model on its device) and left at
+    ``on_train_end``; if training raises, at ``on_exception``, so no hook
+    remains whatever happens. ``report`` then holds the
+    :class:`memprof.Report` of the latest fit that trained, on every rank.
+
+    **Logged metrics** (rank zero, to every logger of the trainer, whenever a
+    profiled step ends; floats, GiB = 2**30 bytes; ``/`` is the logger's group
+    separator):
+
+    - ``memprof/peak_allocated_GiB``: the report's peak so far, the highest
+      profiled step; ``memprof/peak_reserved_GiB`` where the device reports it;
+    - ``memprof/<category>_GiB`` for each category of that peak
+      (``parameters``, ``gradients``, ``optimizer_state``, ``activations``, ...);
+    - ``memprof/peak_step``: the step of that peak;
+    - ``memprof/step_peak_allocated_GiB``: the peak of the step just profiled.
+
+    They are written with ``logger.log_metrics`` at the trainer's step of the
+    profiled step, not through ``LightningModule.log``, whose step metrics are
+    only written every ``log_every_n_steps`` and would drop most profiled steps.
+
+    **Steps.** A step of the report ends at the optimizer's step. A forward of
+    the module after the last optimizer step (typically the end-of-epoch
+    validation) opens one more step, which the report keeps as a last,
+    partial row: ``len(report.steps)`` is then ``trainer.global_step + 1``.
+
+    Args:
+        warmup: steps profiled in full at the start (see :func:`memprof.track`).
+        every: profile every ``every``-th step after the warmup; ``0``: none.
+        log_metrics: log the breakdown of profiled steps to the trainer's loggers.
+        save_path: write the report there as JSON when training ends (or
+            raises: the steps measured before an out-of-memory error are often
+            what you want), atomically, on rank zero. Read it back with
+            :meth:`memprof.Report.load`.
+        print_report: print the report with rich when training ends, on rank
+            zero; otherwise a one-line summary goes to :mod:`logging`.
+    """
+
+    def __init__(
+        self,
+        warmup: int = 3,
+        every: int = 100,
+        log_metrics: bool = True,
+        save_path: str | os.PathLike | None = None,
+        print_report: bool = True,
+    ) -> None:
+        for arg, value in (("warmup", warmup), ("every", every)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{arg} must be an integer >= 0, got {value!r}")
+        if save_path is not None and not isinstance(save_path, (str, os.PathLike)):
+            raise TypeError(f"save_path must be a path or None, got {type(save_path).__name__}")
+        self.warmup = warmup
+        self.every = every
+        self.log_metrics = log_metrics
+        self.save_path = save_path
+        self.print_report = print_report
+        #: The report of the latest fit that trained (``None`` before).
+        self.report: Report | None = None
+        self._tracker: Tracker | None = None
+        self._step_offset = 0  # trainer.global_step when tracking began (a resumed fit)
+        self._steps_seen = 0  # tracker steps already looked at for logging
+        self._trained = False  # whether this fit started tracking
+
+    # -- hooks -----------------------------------------------------------------
+    @override
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._reset()
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._start(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._log_profiled_steps(trainer)
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._finish(trainer)
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._end_of_fit(trainer)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._finish(trainer, exception)
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._finish(trainer)  # a safety net: normally closed at on_train_end already
+
+    # -- work ------------------------------------------------------------------
+    def _reset(self) -> None:
+        """Start a fit afresh; a tracker left open by an aborted fit is closed, unsaved."""
+        self._close(None)
+        self._steps_seen = 0
+        self._trained = False
+
+    def _start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._close(None)
+        self._step_offset = trainer.global_step
+        self._steps_seen = 0
+        tracker = track(pl_module, device=pl_module.device, warmup=self.warmup, every=self.every)
+        tracker.__enter__()
+        self._tracker = tracker
+        self._trained = True
+
+    def _is_profiled(self, step: int) -> bool:
+        # The schedule documented by memprof.track.
+        return step < self.warmup or (self.every > 0 and step % self.every == 0)
+
+    def _log_profiled_steps(self, trainer: "pl.Trainer") -> None:
+        tracker = self._tracker
+        if tracker is None:
+            return
+        done = tracker.step  # steps the tracker has ended
+        profiled = [s for s in range(self._steps_seen, done) if self._is_profiled(s)]
+        self._steps_seen = done
+        if not profiled or not self.log_metrics or not trainer.loggers or not trainer.is_global_zero:
+            return
+        report = tracker.report()
+        if report.peak is None:
+            return
+        metrics = self._metrics(report, profiled[-1])
+        for logger in trainer.loggers:
+            sep = logger.group_separator
+            logger.log_metrics({f"memprof{sep}{k}": v for k, v in metrics.items()}, step=self._step_offset + profiled[-1])
+
+    def _metrics(self, report: Report, step: int) -> dict[str, float]:
+        peak = report.peak
+        assert peak is not None
+        metrics = {"peak_allocated_GiB": peak.allocated / GiB}
+        if peak.reserved is not None:
+            metrics["peak_reserved_GiB"] = peak.reserved / GiB
+        metrics.update({f"{category}_GiB": n / GiB for category, n in peak.bytes.items()})
+        metrics["peak_step"] = float(self._step_offset + peak.step)
+        row = report.steps[report.steps["step"] == step]
+        if len(row) and row["peak_allocated"].notna().iloc[-1]:
+            metrics["step_peak_allocated_GiB"] = float(row["peak_allocated"].iloc[-1]) / GiB
+        return metrics
+
+    def _close(self, exception: BaseException | None) -> Report | None:
+        """Leave the ``track`` block (hooks removed even if this raises); return its report."""
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return None
+        if exception is None:
+            tracker.__exit__(None, None, None)
+        else:  # a step cut short by an exception is not counted
+            tracker.__exit__(type(exception), exception, exception.__traceback__)
+        return tracker.report()
+
+    def _finish(self, trainer: "pl.Trainer", exception: BaseException | None = None) -> None:
+        if self._tracker is None:
+            return
+        self.report = report = self._close(exception)
+        if not trainer.is_global_zero:
+            return
+        if exception is None:
+            self._publish(report)
+            return
+        # Never let a failure here replace the exception that stopped training.
+        try:
+            log.warning(
+                "memprof: training raised %s; the report covers the %d steps before it",
+                type(exception).__name__,
+                len(report.steps),
+            )
+            self._publish(report)
+        except Exception:
+            log.exception("memprof: could not save or print the report of the interrupted fit")
+
+    def _end_of_fit(self, trainer: "pl.Trainer") -> None:
+        self._finish(trainer)
+        if not self._trained:
+            rank_zero_warn(
+                "MemprofCallback: this fit ran no training step (e.g. max_steps was already reached), so nothing "
+                "was measured; `report` still holds the previous fit's report, if any."
+            )
+
+    def _publish(self, report: Report) -> None:
+        if self.save_path is not None:
+            path = report.save(self.save_path)
+            log.info("memprof: report saved to %s", path)
+        if self.print_report:
+            from rich.console import Console
+
+            Console().print(report)
+        else:
+            peak = report.peak
+            if peak is None:
+                log.info("memprof: %d steps, none profiled", len(report.steps))
+            else:
+                log.info(
+                    "memprof: peak %.3f GiB allocated in step %d (%s); %s",
+                    peak.allocated / GiB,
+                    self._step_offset + peak.step,
+                    peak.phase,
+                    ", ".join(f"{c} {n / GiB:.3f} GiB" for c, n in peak.bytes.items() if n),
+                )

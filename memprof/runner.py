@@ -1,0 +1,327 @@
+"""Observe an unmodified training script: ``memprof track train.py`` without editing ``train.py``.
+
+The script runs in this process as ``python SCRIPT ARGS`` would run it
+(``sys.argv = [SCRIPT, *ARGS]``, ``__name__ == "__main__"``, the script's
+directory first on ``sys.path``, the working directory unchanged). Two
+process-wide PyTorch hooks find what to measure:
+
+* a module forward pre-hook remembers the *outermost* modules called (those
+  called while no other module's forward runs), with a depth counter kept by a
+  forward hook that runs even when a forward raises;
+* an optimizer step post-hook sees the first optimizer step. The model is the
+  outermost module holding most of that optimizer's parameters (the most
+  recently called one on a tie), so a loss module called after the model, or a
+  checkpointed block re-run in backward, is not taken for it.
+
+Tracking (:func:`memprof.track` with every step profiled) starts when that
+step's ``optimizer.step()`` returns: the step hooks cannot register more step
+hooks while PyTorch iterates over them, so a one-shot profile function
+(``sys.setprofile``) waits for the call to return. After ``steps`` tracked
+steps a hook raises a private ``BaseException``, which a script's
+``except Exception`` does not swallow, and the script stops there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import runpy
+import sys
+import time
+import traceback
+import weakref
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .report import Report
+from .tracker import Tracker, track
+
+__all__ = ["ScriptError", "observe_script"]
+
+log = logging.getLogger(__name__)
+
+_OPTIMIZER_FILE = sys.modules[register_optimizer_step_post_hook.__module__].__file__
+
+
+class ScriptError(Exception):
+    """The script could not be observed; the message says why and what to change.
+
+    ``report`` holds what was measured before the failure (e.g. the steps before
+    an out-of-memory error), or None when no step was tracked.
+    """
+
+    def __init__(self, message: str, report: Report | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class _Stop(BaseException):
+    """Raised from a hook to end the script. ``error``: why observing failed, or None when done."""
+
+    def __init__(self, error: str | None = None, *, timed_out: bool = False) -> None:
+        super().__init__(error)
+        self.error, self.timed_out = error, timed_out
+
+
+class _Observer:
+    """The hooks that find the model and optimizer, start tracking and stop the script."""
+
+    def __init__(self, script: Path, steps: int, warmup: int, timeout: float | None) -> None:
+        self.script, self.steps, self.warmup = script, steps, warmup
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.optimizer_steps = 0  # optimizer steps seen before tracking began
+        self.tracker: Tracker | None = None
+        self.error: str | None = None  # a failure inside a hook, raised at the next one
+        self._depth = 0
+        self._seq = itertools.count()
+        self._outermost: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+        self._pending: tuple[nn.Module, torch.optim.Optimizer] | None = None
+        self._previous_profile: Any = None
+        self._profiling = False
+        self._stack = ExitStack()  # every hook and the tracker: closed in one place
+
+    # -- lifetime --------------------------------------------------------------
+    def install(self) -> None:
+        self._stack.callback(self._restore_profile)
+        for handle in (
+            register_module_forward_pre_hook(self._on_forward_pre),
+            register_module_forward_hook(self._on_forward, always_call=True),
+            register_optimizer_step_post_hook(self._on_step),
+        ):
+            self._stack.callback(handle.remove)
+
+    def close(self) -> None:
+        """Exit the tracker and remove every hook (in reverse order of installation)."""
+        self._stack.close()
+
+    # -- hooks -----------------------------------------------------------------
+    def _check(self) -> None:
+        if self.error is not None:
+            raise _Stop(self.error)
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise _Stop(timed_out=True)
+
+    def _on_forward_pre(self, module: nn.Module, args: tuple) -> None:
+        self._check()
+        if self._depth == 0:
+            self._outermost[module] = next(self._seq)
+        self._depth += 1
+
+    def _on_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._depth = max(self._depth - 1, 0)
+
+    def _on_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._check()
+        if self.tracker is not None or self._pending is not None:
+            return
+        self.optimizer_steps += 1
+        if self.optimizer_steps < self.warmup:
+            return
+        self._pending = (self._find_model(opt), opt)
+        # Start tracking once this optimizer.step() call returns: PyTorch is
+        # iterating over the step hooks, which must not change meanwhile.
+        stepping = _step_frame(sys._getframe(1))
+        self._previous_profile = sys.getprofile()
+
+        def on_return(frame, event: str, arg: Any) -> None:
+            if event == "return" and frame is stepping:
+                self._restore_profile()
+                self._start()
+
+        sys.setprofile(on_return)
+        self._profiling = True
+
+    def _on_tracked_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        # Registered after the tracker's own step hook, so the step is recorded first.
+        if self.tracker is not None and self.tracker.step >= self.steps:
+            raise _Stop()
+        self._check()
+
+    # -- tracking --------------------------------------------------------------
+    def _start(self) -> None:
+        model, opt = self._pending
+        self._pending = None
+        try:
+            tracker = track(model, opt, warmup=self.steps, every=1)
+            tracker.__enter__()
+        except Exception as exc:  # e.g. the script already runs memprof.track itself
+            self.error = f"memprof could not start tracking {type(model).__name__}: {exc}"
+            return
+        self.tracker = tracker
+        # An unfinished step (forwards after the last optimizer step) is no
+        # training step: exit as if interrupted, which drops it.
+        self._stack.callback(tracker.__exit__, _Stop, _Stop(), None)
+        self._stack.callback(register_optimizer_step_post_hook(self._on_tracked_step).remove)
+        log.info("tracking %s with %s from optimizer step %d", type(model).__name__, type(opt).__name__, self.optimizer_steps + 1)
+
+    def _restore_profile(self) -> None:
+        if self._profiling:
+            sys.setprofile(self._previous_profile)
+            self._profiling, self._previous_profile = False, None
+
+    def _find_model(self, opt: torch.optim.Optimizer) -> nn.Module:
+        wanted = {id(p) for group in opt.param_groups for p in group["params"]}
+        best, best_key = None, (0, -1)
+        for module, seq in list(self._outermost.items()):
+            held = sum(1 for p in module.parameters() if id(p) in wanted)
+            if (held, seq) > best_key and held:
+                best, best_key = module, (held, seq)
+        if best is None:
+            raise _Stop(
+                f"{type(opt).__name__}.step() ran, but no module called before it holds the optimizer's parameters. "
+                "memprof finds the model through nn.Module.__call__: call model(x), not model.forward(x)"
+            )
+        if best_key[0] < len(wanted):
+            log.warning(
+                "%s holds %d of the %d tensors %s optimizes; tracking it anyway",
+                type(best).__name__, best_key[0], len(wanted), type(opt).__name__,
+            )
+        return best
+
+
+def _step_frame(frame):
+    """The outermost of the consecutive frames in torch/optim/optimizer.py: the ``step`` wrapper."""
+    outer = frame
+    while frame is not None and frame.f_code.co_filename == _OPTIMIZER_FILE:
+        outer, frame = frame, frame.f_back
+    return outer
+
+
+def _load(path: str | os.PathLike) -> Path:
+    """The script's resolved path, after checking that it exists, reads and compiles."""
+    script = Path(path)
+    if not script.is_file():
+        what = "is a directory" if script.is_dir() else "does not exist"
+        raise ScriptError(f"script {str(path)!r} {what}: give the path of a Python training script, e.g. train.py")
+    try:
+        source = script.read_bytes()
+    except OSError as exc:
+        raise ScriptError(f"cannot read script {str(path)!r}: {exc.strerror or exc}; check its permissions") from None
+    try:
+        compile(source, str(script), "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise ScriptError(
+            f"{path}:{exc.lineno}: syntax error in the script: {exc.msg}; fix it and run again "
+            f"(python {path} shows the same error)"
+        ) from None
+    except ValueError as exc:  # e.g. null bytes in the source
+        raise ScriptError(f"{str(path)!r} is not a Python script ({exc})") from None
+    return script.resolve()
+
+
+def _where(exc: BaseException, script: Path) -> str:
+    """' (at train.py line 12)': the innermost frame of the script in the traceback, if any."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == script]
+    return f" (at {script.name} line {frames[-1].lineno})" if frames else ""
+
+
+def observe_script(
+    path: str | os.PathLike,
+    args: Sequence[str] = (),
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    timeout: float | None = None,
+) -> Report:
+    """Run a training script as ``python path *args`` would, and measure ``steps`` training steps.
+
+    ``warmup`` optimizer steps run untracked first (at least 1: the first step
+    is how the model and optimizer are found; Adam creates its state there),
+    then ``steps`` steps are profiled in full and the script is stopped. The
+    report's ``steps`` table has one row per tracked step.
+
+    When the script ends, is interrupted (Ctrl-C) or runs past ``timeout``
+    seconds after at least one tracked step, the steps measured so far are
+    returned and a warning is logged; before one, Ctrl-C re-raises
+    ``KeyboardInterrupt``. Every other failure raises :class:`ScriptError`
+    saying what happened: no script, a syntax error, the script raising or
+    exiting before a training step, no optimizer step at all.
+    """
+    for name, value in (("steps", steps), ("warmup", warmup)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}; e.g. {name}=3")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+    script = _load(path)
+
+    observer = _Observer(script, steps, warmup, timeout)
+    saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
+    outcome: BaseException | None = None
+    try:
+        sys.argv = [str(path), *map(str, args)]
+        sys.path.insert(0, str(script.parent))
+        observer.install()
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        except BaseException as exc:  # the script's own errors, exits and Ctrl-C, and our _Stop
+            outcome = exc
+    finally:
+        try:
+            observer.close()
+        finally:
+            sys.argv = saved_argv
+            sys.path[:] = saved_path
+            if os.getcwd() != saved_cwd:
+                os.chdir(saved_cwd)
+    return _result(observer, path, list(args), outcome)
+
+
+def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outcome: BaseException | None) -> Report:
+    """The report, or the ScriptError that explains why there is none."""
+    tracker, steps = observer.tracker, observer.steps
+    done = tracker.step if tracker is not None else 0
+    report = None
+    if done:
+        report = tracker.report()
+        report.meta.update(script=str(path), script_args=args, warmup_steps=observer.warmup, observed_steps=done)
+    needed = f"{observer.warmup} + {steps} optimizer steps"
+
+    if isinstance(outcome, _Stop) and outcome.error is not None:
+        raise ScriptError(outcome.error, report)
+    if isinstance(outcome, _Stop) and not outcome.timed_out:
+        return report  # observed all steps
+    if isinstance(outcome, KeyboardInterrupt) and report is None:
+        raise KeyboardInterrupt
+    exit_code = outcome.code if isinstance(outcome, SystemExit) else None
+    failed = outcome is not None and not isinstance(outcome, (_Stop, KeyboardInterrupt, SystemExit))
+    if isinstance(outcome, SystemExit) and exit_code not in (None, 0):
+        msg = f"the script exited with status {exit_code!r}"
+        if report is None:
+            raise ScriptError(
+                f"{msg} before memprof could observe a training step; check the script's arguments "
+                "(memprof passes those given after --)"
+            )
+        raise ScriptError(f"{msg} after {done} of {steps} tracked steps", report)
+    if failed:
+        what = f"the script raised {type(outcome).__name__}: {outcome}{_where(outcome, Path(path).resolve())}"
+        if report is None:
+            raise ScriptError(f"{what}; memprof could not observe a training step") from outcome
+        raise ScriptError(f"{what} after {done} of {steps} tracked steps", report) from outcome
+
+    # The script ended, timed out or was interrupted without error.
+    if report is None:
+        if isinstance(outcome, _Stop):
+            raise ScriptError(
+                f"no training step finished within the timeout ({observer.optimizer_steps} optimizer steps seen, "
+                f"{needed} needed); give a longer timeout or make the script step sooner"
+            )
+        if observer.optimizer_steps == 0 and tracker is None:
+            raise ScriptError(
+                "the script ended without an optimizer step, so memprof found no model and optimizer to observe; "
+                "memprof observes training loops that call loss.backward() and optimizer.step() "
+                "on a torch.optim optimizer"
+            )
+        raise ScriptError(
+            f"the script ended before a tracked step finished; memprof needs {needed}: "
+            "run the script for more steps (pass its arguments after --)"
+        )
+    why = {KeyboardInterrupt: "was interrupted", _Stop: "timed out"}.get(type(outcome), "ended")
+    log.warning("the script %s after %d of %d tracked steps; reporting those", why, done, steps)
+    return report

@@ -1,0 +1,240 @@
+"""MemprofCallback on a real Lightning Trainer (CPU): exact bytes, step counts, no hooks left behind."""
+
+import csv
+import logging
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+import memprof  # noqa: E402
+from memprof.callbacks import MemprofCallback  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+BATCHES_PER_EPOCH = 4
+
+
+class Tiny(L.LightningModule):
+    """Two 512x512 fp32 weights of exactly 1 MiB each, trained with AdamW."""
+
+    def __init__(self, fail_at_step: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False))
+        self.fail_at_step = fail_at_step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net[1](self.net[0](x))
+        if self.training and self.global_step == self.fail_at_step:
+            raise RuntimeError("boom")  # mid-forward: module, saved-tensor and optimizer hooks are all in place
+        return self.net[2](h)
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+class TinyWithValidation(Tiny):
+    def validation_step(self, batch, batch_idx):
+        self(batch[0])
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(16 * BATCHES_PER_EPOCH, 512, generator=g)), batch_size=16)
+
+
+def fit(callback, max_steps=3, model=None, val=False, **trainer_kw):
+    trainer_kw = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": max_steps,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "callbacks": [callback],
+        **trainer_kw,
+    }
+    trainer = L.Trainer(**trainer_kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "does not have many workers" and friends
+        trainer.fit(model or Tiny(), loader(), loader() if val else None)
+    return trainer
+
+
+def assert_no_hooks(model=None):
+    assert not nn.modules.module._global_forward_pre_hooks
+    assert not nn.modules.module._global_forward_hooks
+    assert not torch.optim.optimizer._global_optimizer_pre_hooks
+    assert not torch.optim.optimizer._global_optimizer_post_hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    if model is not None:
+        assert not model._forward_pre_hooks
+        assert all(p._post_accumulate_grad_hooks is None or not p._post_accumulate_grad_hooks for p in model.parameters())
+    # and the process-wide tracker slot is free again
+    with memprof.track(nn.Linear(2, 2)):
+        pass
+
+
+def test_exact_bytes_and_one_row_per_optimizer_step():
+    cb = MemprofCallback(warmup=2, every=3, print_report=False)
+    model = Tiny()
+    # 5 steps cross the epoch boundary (4 batches an epoch); no validation.
+    trainer = fit(cb, max_steps=5, model=model)
+    r = cb.report
+    assert trainer.global_step == 5
+    assert len(r.steps) == 5
+    assert r.steps["step"].tolist() == [0, 1, 2, 3, 4]
+    assert r.steps["profiled"].tolist() == [True, True, False, True, False]
+    assert r.meta["profiled_steps"] == [0, 1, 3]
+    assert r.peak.bytes["parameters"] == 2 * MiB
+    assert r.peak.bytes["gradients"] == 2 * MiB
+    assert r.optimizer_state["exp_avg"] == 2 * MiB
+    assert r.optimizer_state["exp_avg_sq"] == 2 * MiB
+    assert r.optimizer_state["step"] == 8  # AdamW's fp32 step counter per parameter, on the CPU here
+    m = r.modules
+    assert m.loc["Tiny.net.0", ["parameters", "gradients", "optimizer_state"]].tolist() == [MiB, MiB, 2 * MiB + 4]
+    assert m.loc["Tiny.net.2", ["parameters", "gradients", "optimizer_state"]].tolist() == [MiB, MiB, 2 * MiB + 4]
+    assert_no_hooks(model)
+
+
+def test_gradient_accumulation_counts_optimizer_steps():
+    cb = MemprofCallback(print_report=False)
+    trainer = fit(cb, max_steps=2, accumulate_grad_batches=2)
+    assert trainer.global_step == 2
+    assert len(cb.report.steps) == 2  # 4 batches, 2 optimizer steps
+    assert_no_hooks()
+
+
+def test_validation_after_the_last_step_adds_one_partial_row():
+    # The epoch (4 batches) ends exactly at max_steps, so validation runs after
+    # the last optimizer step; its forward opens a step that no optimizer step
+    # ends, and the tracker keeps it as a last row. The sanity check runs before
+    # on_train_start, so it is not tracked.
+    cb = MemprofCallback(print_report=False)
+    trainer = fit(cb, max_steps=BATCHES_PER_EPOCH, model=TinyWithValidation(), val=True, limit_val_batches=1)
+    assert trainer.global_step == BATCHES_PER_EPOCH
+    assert cb.report.steps["step"].tolist() == list(range(BATCHES_PER_EPOCH + 1))
+    assert cb.report.meta["profiled_steps"] == [0, 1, 2]
+    assert_no_hooks()
+
+
+def test_hooks_removed_when_training_raises(tmp_path):
+    path = tmp_path / "report.json"
+    cb = MemprofCallback(save_path=path, print_report=False)
+    model = Tiny(fail_at_step=2)  # a warmup step: profiled, all hooks installed
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(cb, max_steps=5, model=model)
+    assert_no_hooks(model)
+    # The steps before the error are kept and saved (what you want after an OOM).
+    assert cb.report.steps["step"].tolist() == [0, 1]
+    assert memprof.Report.load(path).steps["step"].tolist() == [0, 1]
+
+
+def test_saved_report_loads(tmp_path):
+    path = tmp_path / "out" / "memprof.json"
+    cb = MemprofCallback(save_path=str(path), print_report=False)
+    fit(cb, max_steps=3)
+    loaded = memprof.Report.load(path)
+    assert loaded.peak == cb.report.peak
+    assert loaded.optimizer_state == cb.report.optimizer_state
+    assert loaded.steps["step"].tolist() == [0, 1, 2]
+    assert [p.name for p in path.parent.iterdir()] == ["memprof.json"]  # no temporary left
+
+
+def test_metrics_in_csv_logger(tmp_path):
+    logger = CSVLogger(tmp_path, name="logs")
+    cb = MemprofCallback(warmup=2, every=3, print_report=False)
+    fit(cb, max_steps=5, logger=logger)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("memprof/peak_allocated_GiB")]
+    assert [int(r["step"]) for r in rows] == [0, 1, 3]  # the profiled steps
+    last = rows[-1]
+    assert float(last["memprof/parameters_GiB"]) == 2 * MiB / GiB
+    assert float(last["memprof/gradients_GiB"]) == 2 * MiB / GiB
+    assert float(last["memprof/optimizer_state_GiB"]) == (4 * MiB + 8) / GiB
+    assert float(last["memprof/activations_GiB"]) > 0
+    assert float(last["memprof/peak_allocated_GiB"]) == cb.report.peak.allocated / GiB
+    assert "memprof/step_peak_allocated_GiB" in last
+
+
+def test_no_logging_when_disabled(tmp_path):
+    logger = CSVLogger(tmp_path, name="logs")
+    fit(MemprofCallback(log_metrics=False, print_report=False), max_steps=2, logger=logger)
+    with open(f"{logger.log_dir}/metrics.csv") as f:
+        assert not any(k.startswith("memprof/") for k in (csv.DictReader(f).fieldnames or []))
+
+
+def test_print_report_or_log(capsys, caplog):
+    fit(MemprofCallback(print_report=True), max_steps=1)
+    assert "optimizer_state" in capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="memprof"):
+        fit(MemprofCallback(print_report=False), max_steps=1)
+    assert "optimizer_state" not in capsys.readouterr().out
+    assert any("memprof: peak" in r.getMessage() for r in caplog.records)
+
+
+def test_fit_twice():
+    cb = MemprofCallback(print_report=False)
+    trainer = fit(cb, max_steps=2)
+    first = cb.report
+    assert len(first.steps) == 2
+    # The same trainer has reached max_steps: nothing trains, the report stays.
+    with pytest.warns(UserWarning, match="ran no training step"):
+        trainer.fit(trainer.lightning_module, loader())
+    assert cb.report is first
+    assert_no_hooks()
+    # A new trainer trains again with the same callback: a new report.
+    fit(cb, max_steps=3)
+    assert cb.report is not first and len(cb.report.steps) == 3
+    assert_no_hooks()
+
+
+def test_only_rank_zero_saves_and_logs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(L.Trainer, "is_global_zero", property(lambda self: False))
+    path = tmp_path / "r.json"
+    logger = CSVLogger(tmp_path, name="logs")
+    cb = MemprofCallback(save_path=path, print_report=True)
+    fit(cb, max_steps=2, logger=logger)
+    assert len(cb.report.steps) == 2  # every rank keeps its own report
+    assert not path.exists()
+    assert "optimizer_state" not in capsys.readouterr().out
+    metrics = tmp_path / "logs" / "version_0" / "metrics.csv"
+    if metrics.exists():
+        assert "memprof/" not in metrics.read_text()
+
+
+def test_arguments_checked():
+    with pytest.raises(ValueError, match="every"):
+        MemprofCallback(every=-1)
+    with pytest.raises(ValueError, match="warmup"):
+        MemprofCallback(warmup=1.5)
+
+
+def test_import_does_not_import_lightning():
+    code = "import sys, memprof.callbacks as c; assert 'lightning' not in sys.modules; assert 'MemprofCallback' in dir(c)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_missing_lightning_says_how_to_install(monkeypatch):
+    import memprof.callbacks as callbacks
+
+    monkeypatch.delattr(callbacks, "MemprofCallback", raising=False)
+    monkeypatch.delitem(sys.modules, "memprof.callbacks.lightning", raising=False)
+    for name in [m for m in sys.modules if m == "lightning" or m.startswith("lightning.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ImportError, match=r'pip install lightning.*pip install "memprof\[lightning\]"'):
+        from memprof.callbacks import MemprofCallback  # noqa: F401
+    with pytest.raises(AttributeError):
+        callbacks.NoSuchThing
