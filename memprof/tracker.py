@@ -63,6 +63,16 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
                 yield o
 
 
+def _on_first_grad(obj: Any, fn) -> list[torch.Tensor]:
+    """Call ``fn`` when backward reaches the first of ``obj``'s tensors that need grad."""
+    tensors = [t for t in _tensors(obj) if t.requires_grad]
+    if len(tensors) == 1:  # the common case; a plain tensor hook costs a third of a multi-grad hook
+        tensors[0].register_hook(fn)
+    elif tensors:
+        register_multi_grad_hook(tensors, fn, mode="any")
+    return tensors
+
+
 def _top_saved_tensors_hooks():
     """The saved-tensors hooks active now (e.g. ``save_on_cpu``), to chain to."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -352,9 +362,7 @@ class Tracker:
             self._saved_seen.clear()
             self._push_saved_hooks()
         self._fwd.append(_Span(name, alloc))
-        needs_grad = [t for t in _tensors(args) if t.requires_grad]
-        if needs_grad:
-            register_multi_grad_hook(needs_grad, lambda g, n=name: self._on_backward_end(n), mode="any")
+        _on_first_grad(args, lambda g, n=name: self._on_backward_end(n))
 
     def _on_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         name = self._names.get(module)
@@ -367,11 +375,9 @@ class Tracker:
         alloc = self._sample("forward:" + self._fwd[-2].name if not is_root else "other")
         self._fwd.pop()
         self._fwd_delta[name] = max(self._fwd_delta[name], max(span.high, alloc) - span.start)
-        outs = [t for t in _tensors(output) if t.requires_grad]
-        if outs:
-            register_multi_grad_hook(outs, lambda g, n=name: self._on_backward_start(n), mode="any")
-            if is_root:
-                self._hook_graph(outs)
+        outs = _on_first_grad(output, lambda g, n=name: self._on_backward_start(n))
+        if is_root and outs:
+            self._hook_graph(outs)
 
     def _push_saved_hooks(self) -> None:
         inner = _top_saved_tensors_hooks()

@@ -1,0 +1,273 @@
+"""The ``memprof`` command line.
+
+::
+
+    memprof track train.py --steps 3 --json report.json -- --batch-size 8
+    memprof report report.json
+    memprof gpus
+    memprof estimate --params 7B --precision mixed_bf16 --zero-stage 3 --world-size 8 --gpu H100
+
+Bad input ends with one line ``memprof: error: ...`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import re
+import sys
+from decimal import Decimal, InvalidOperation
+from typing import Sequence
+
+import pandas as pd
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from . import __version__
+from .devices import get_gpu, list_gpus
+from .estimate import OFFLOADS, OPTIMIZERS, PRECISIONS, estimate_model_states
+from .report import Report
+from .runner import ScriptError, observe_script
+from .units import GiB
+
+__all__ = ["main", "parse_count"]
+
+_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+_CPU_NOTE = (
+    "On the CPU memprof attributes the storages it sees, without allocator counters: "
+    "temporaries and fragmentation need CUDA."
+)
+
+
+def parse_count(text: str) -> int:
+    """A parameter count: ``7e9``, ``7B``, ``124M``, ``1.5b``, ``350k``, ``7_000_000_000`` (decimal suffixes)."""
+    match = re.fullmatch(r"\s*([0-9][0-9_,.]*(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    value = None
+    if match:
+        try:
+            value = Decimal(match[1].replace("_", "").replace(",", "")) * _SUFFIXES[match[2].upper()]
+        except InvalidOperation:
+            value = None
+    if value is None or value != value.to_integral_value() or value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number of parameters >= 1; use e.g. 7e9, 7B, 1.5B, 124M or 7000000000"
+        )
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GiB:,.2f} GiB"
+
+
+def _line(console: Console, text: str) -> None:
+    """One line of plain text, never wrapped or read as markup."""
+    console.print(escape(text), soft_wrap=True, highlight=False)
+
+
+# -- commands -------------------------------------------------------------------
+def _show(console: Console, report: Report) -> None:
+    gpu = report.meta.get("gpu")
+    _line(console, f"device: {report.device}" + (f" ({gpu})" if gpu else ""))
+    console.print(report)
+    if report.device.startswith("cpu"):
+        _line(console, _CPU_NOTE)
+
+
+def _cmd_track(args: argparse.Namespace, console: Console) -> int:
+    try:
+        report = observe_script(args.script, args.script_args, steps=args.steps, warmup=args.warmup, timeout=args.timeout)
+    except ScriptError as exc:
+        if exc.report is not None:  # what was measured before the failure
+            _show(console, exc.report)
+            _save(console, exc.report, args.json)
+        raise
+    done = report.meta.get("observed_steps", len(report.steps))
+    _line(console, f"memprof: observed {done} training step(s) of {args.script} after {args.warmup} warmup step(s)")
+    _show(console, report)
+    _save(console, report, args.json)
+    return 0
+
+
+def _save(console: Console, report: Report, path: str | None) -> None:
+    if path is not None:
+        try:
+            report.save(path)
+        except OSError as exc:
+            raise OSError(f"cannot write the report to {path!r}: {exc.strerror or exc}; pick a writable path") from None
+        _line(console, f"report saved to {path}; show it again with: memprof report {path}")
+
+
+def _cmd_report(args: argparse.Namespace, console: Console) -> int:
+    try:
+        report = Report.load(args.file)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{args.file!r} is not a memprof report (missing {exc}); give a file that memprof track --json wrote") from None
+    script = report.meta.get("script")
+    if script:
+        _line(console, f"report of {script}: {len(report.steps)} step(s)")
+    _show(console, report)
+    return 0
+
+
+def _cmd_gpus(args: argparse.Namespace, console: Console) -> int:
+    df = list_gpus()
+    table = Table(title="GPU catalogue (dense tensor-core TFLOPS; bandwidths per direction)", title_justify="left")
+    for header in ("GPU", "memory\nGiB", "memory\nGB/s", "FP16\nTFLOPS", "BF16\nTFLOPS", "FP32\nTFLOPS",
+                   "PCIe\nGB/s", "NVLink\nGB/s", "compute\ncapab."):
+        table.add_column(header, justify="left" if header == "GPU" else "right", no_wrap=header == "GPU")
+
+    def num(x) -> str:
+        return "-" if pd.isna(x) else f"{x:g}"
+
+    for name, row in df.iterrows():
+        table.add_row(
+            name, num(row.memory_gib), num(row.mem_gb_s), num(row.fp16_tflops), num(row.bf16_tflops),
+            num(row.fp32_tflops), num(row.pcie_gb_s), num(row.nvlink_gb_s), ".".join(map(str, row.compute_capability)),
+        )
+    console.print(table)
+    return 0
+
+
+def _cmd_estimate(args: argparse.Namespace, console: Console) -> int:
+    offload = None if args.offload == "none" else args.offload
+    states = estimate_model_states(
+        args.params, args.precision, args.optimizer, args.zero_stage, args.world_size, offload
+    )
+    gpu = get_gpu(args.gpu) if args.gpu is not None else None  # fail before printing anything
+    table = Table(
+        title=f"model states per rank: {args.params:,} parameters, {args.precision}, {args.optimizer}, "
+        f"ZeRO stage {args.zero_stage}, world size {args.world_size}, offload {args.offload}",
+        title_justify="left",
+    )
+    table.add_column("component")
+    table.add_column("GiB", justify="right")
+    table.add_column("bytes", justify="right")
+    for name in ("parameters", "gradients", "master_weights", "optimizer_state"):
+        b = getattr(states, name)
+        table.add_row(name, f"{b / GiB:,.2f}", f"{b:,}")
+    console.print(table)
+    _line(console, f"on the GPU: {_gib(states.total)} per rank ({states.total:,} B, {states.bytes_per_param:.2f} B/param)")
+    if states.host_total:
+        _line(console, f"offloaded to host memory: {_gib(states.host_total)} per rank ({states.host_total:,} B)")
+    on_top = "activations, temporaries and the CUDA context come on top"
+    if gpu is None:
+        _line(console, f"model states only: {on_top}; add --gpu NAME to check a GPU (memprof gpus lists them)")
+        return 0
+    have = gpu.memory_bytes
+    if states.total <= have:
+        _line(console, f"fits {gpu.name} ({_gib(have)}): model states take {_gib(states.total)}, leaving "
+                       f"{_gib(have - states.total)} for the rest (model states only: {on_top})")
+    else:
+        _line(console, f"does not fit {gpu.name} ({_gib(have)}): model states alone need {_gib(states.total)}, "
+                       f"{_gib(states.total - have)} more than it has ({on_top}); "
+                       "try a ZeRO stage, more ranks, or offload")
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memprof", description="Where did my GPU memory go?")
+    parser.add_argument("--version", action="version", version=f"memprof {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "track", help="run a training script and attribute its memory",
+        description="Run SCRIPT as `python SCRIPT SCRIPT_ARGS` would, unmodified, and attribute the memory of "
+        "its training steps. Arguments after -- go to the script.",
+        usage="memprof track SCRIPT [--steps N] [--warmup N] [--timeout S] [--json PATH] [-- SCRIPT_ARGS...]",
+    )
+    p.add_argument("script", metavar="SCRIPT", help="the training script")
+    p.add_argument("--steps", type=_positive_int, default=3, help="training steps to measure (default 3)")
+    p.add_argument("--warmup", type=_positive_int, default=1,
+                   help="optimizer steps to run before measuring (default 1, the least: it finds the model)")
+    p.add_argument("--timeout", type=_positive_float, default=None, help="give up after this many seconds")
+    p.add_argument("--json", metavar="PATH", default=None, help="save the report as JSON")
+    p.set_defaults(func=_cmd_track)
+
+    p = sub.add_parser("report", help="render a report saved with --json")
+    p.add_argument("file", metavar="FILE.json")
+    p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser("gpus", help="list the GPU catalogue")
+    p.set_defaults(func=_cmd_gpus)
+
+    p = sub.add_parser("estimate", help="model-state memory (parameters, gradients, optimizer) per rank")
+    p.add_argument("--params", type=parse_count, required=True, metavar="N",
+                   help="number of parameters: 7e9, 7B, 124M, ...")
+    p.add_argument("--precision", type=str.lower, choices=list(PRECISIONS), default="fp32")
+    p.add_argument("--optimizer", type=str.lower, choices=list(OPTIMIZERS), default="adamw")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0)
+    p.add_argument("--world-size", type=_positive_int, default=1, metavar="W")
+    p.add_argument("--offload", type=str.lower, default="none",
+                   choices=["none" if o is None else o for o in OFFLOADS])
+    p.add_argument("--gpu", metavar="NAME", default=None, help="check the states fit this GPU (see memprof gpus)")
+    p.set_defaults(func=_cmd_estimate)
+    return parser
+
+
+def _fail(message: str) -> int:
+    print(f"memprof: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``memprof`` command; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1:]
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = f"; pass the script's own arguments after --, e.g. -- {' '.join(unknown)}" if args.command == "track" else ""
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if script_args and args.command != "track":
+        parser.error(f"arguments after -- go to a script, and only `memprof track` runs one: {' '.join(script_args)}")
+    args.script_args = script_args
+
+    # Library code logs; show memprof's messages on stderr while the command runs.
+    logger = logging.getLogger("memprof")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("memprof: %(levelname)s: %(message)s"))
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        return args.func(args, Console())
+    except (ScriptError, ValueError, OSError) as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        print("memprof: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
