@@ -24,14 +24,16 @@ def _autocast(precision: str):
     return contextlib.nullcontext()
 
 
-def gpt2(precision: str = "fp32", batch: int = 16, seq: int = 1024) -> Workload:
-    """GPT-2 124M from its config (no download), random tokens, loss inside the model."""
+def gpt2(precision: str = "fp32", batch: int = 16, seq: int = 1024, **config) -> Workload:
+    """GPT-2 (124M unless ``config`` shrinks it) from its config (no download),
+    random tokens, loss inside the model."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config()).cuda()
+    cfg = GPT2Config(**config)
+    model = GPT2LMHeadModel(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, 50257, (batch, seq), device="cuda")
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
 
     def step() -> None:
         with _autocast(precision):
@@ -40,14 +42,15 @@ def gpt2(precision: str = "fp32", batch: int = 16, seq: int = 1024) -> Workload:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return Workload(f"gpt2-124M {precision} {batch}x{seq}", model, opt, step)
+    size = "124M" if not config else f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
+    return Workload(f"gpt2-{size} {precision} {batch}x{seq}", model, opt, step)
 
 
-def resnet50(precision: str = "bf16", batch: int = 128) -> Workload:
+def resnet(precision: str = "bf16", batch: int = 128, depth: int = 50) -> Workload:
     import torchvision
 
     torch.manual_seed(0)
-    model = torchvision.models.resnet50().cuda()
+    model = getattr(torchvision.models, f"resnet{depth}")().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     y = torch.randint(0, 1000, (batch,), device="cuda")
@@ -60,14 +63,17 @@ def resnet50(precision: str = "bf16", batch: int = 128) -> Workload:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return Workload(f"resnet50 {precision} {batch}", model, opt, step)
+    return Workload(f"resnet{depth} {precision} {batch}", model, opt, step)
 
 
 WORKLOADS: dict[str, Callable[[], Workload]] = {
     "gpt2-fp32": lambda: gpt2("fp32"),
     "gpt2-bf16": lambda: gpt2("bf16"),
-    "resnet50-bf16": lambda: resnet50("bf16"),
-    "resnet50-fp32": lambda: resnet50("fp32"),
+    "resnet50-bf16": lambda: resnet("bf16"),
+    "resnet50-fp32": lambda: resnet("fp32"),
+    # The small models of tests/test_tracker_cuda.py, to look at their peaks in full.
+    "gpt2-small-bf16": lambda: gpt2("bf16", 8, 512, n_layer=2, n_embd=256, n_head=4, vocab_size=8192),
+    "resnet18-fp32": lambda: resnet("fp32", 32, depth=18),
 }
 
 
