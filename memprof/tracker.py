@@ -153,6 +153,11 @@ class Tracker:
                 "first track() block before opening another."
             )
         model = self._model()
+        if model is None:
+            raise RuntimeError(
+                "the tracked model was garbage-collected before the with block began (memprof holds it weakly); "
+                "keep a reference: model = ...; with memprof.track(model): ..."
+            )
         try:
             _active = weakref.ref(self)
             self._active = True
@@ -173,6 +178,11 @@ class Tracker:
                 self._end_step()
         finally:
             self._close()
+
+    @property
+    def last_peak(self) -> Breakdown | None:
+        """The peak breakdown of the latest profiled step (cheap: no tables are built)."""
+        return self._peaks[-1] if self._peaks else None
 
     def report(self) -> Report:
         """What was measured so far (callable inside or after the ``with`` block)."""
@@ -485,9 +495,27 @@ class Tracker:
                 self._primary = weakref.ref(opt)
         return known
 
-    def _on_optimizer_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _on_optimizer_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
         if not self._is_ours(opt) or not self._profiled:
-            return
+            return None
+        # args[0] is the optimizer itself (torch.optim.Optimizer.profile_hook_step)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._enter_optimizer()
+            return None
+        # Lightning and LBFGS run forward and backward inside step(closure):
+        # the update begins when the closure returns.
+        def wrapped():
+            try:
+                return closure()
+            finally:
+                self._enter_optimizer()
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": wrapped}
+        return (args[0], wrapped, *args[2:]), kwargs
+
+    def _enter_optimizer(self) -> None:
         for span in list(self._bwd.values()):
             self._close_backward(span.name)
         self._gradients = self._ledger.group(Category.GRADIENTS)

@@ -266,3 +266,42 @@ def test_gradient_accumulation_steps_end_at_optimizer():
     r = prof.report()
     assert len(r.steps) == 3
     assert r.modules.loc["Sequential.0", "gradients"] == MiB
+
+
+def test_closure_optimizer_phase_after_backward():
+    """Forward and backward inside optimizer.step(closure) (Lightning, LBFGS):
+    the optimizer phase starts when the closure returns, after backward."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(512, 512)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    with memprof.track(model) as prof:
+        for _ in range(3):
+            loss = opt.step(closure)
+            opt.step(closure=closure)
+    r = prof.report()
+    assert len(r.steps) == 6
+    assert isinstance(loss, torch.Tensor)
+    for _, s in r.timeline.groupby("step"):
+        phases = s["phase"].tolist()
+        # 'optimizer' is the interval closed by the 'end' sample, after every forward/backward phase
+        assert phases.index("optimizer") == len(phases) - 1
+        assert s["gradients"].iloc[-1] == 2 * MiB
+
+
+def test_last_peak_and_collected_model():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.track(model) as prof:
+        assert prof.last_peak is None
+        train(model, opt, torch.randn(512, 512), 1)
+        assert prof.last_peak.step == 0
+    with pytest.raises(RuntimeError, match="garbage-collected"):
+        with memprof.track(nn.Linear(2, 2)):
+            pass
