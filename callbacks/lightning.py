@@ -14,7 +14,8 @@ Lightning calls ``optimizer.step(closure)`` on a ``LightningOptimizer`` whose
 torch optimizer runs forward and backward inside its ``step``; the tracker
 ends a step at that optimizer's (global) step hooks, so one step of the report
 is one optimizer step: ``len(report.steps) == trainer.global_step`` for a fit
-from scratch with one optimizer, gradient accumulation included.
+from scratch with one optimizer, gradient accumulation included (plus one
+partial row when validation runs after the last step; see the class).
 """
 
 from __future__ import annotations
@@ -57,12 +58,10 @@ class MemprofCallback(Callback):
     profiled step ends; floats, GiB = 2**30 bytes; ``/`` is the logger's group
     separator):
 
-    - ``memprof/peak_allocated_GiB``: the report's peak so far, the highest
-      profiled step; ``memprof/peak_reserved_GiB`` where the device reports it;
-    - ``memprof/<category>_GiB`` for each category of that peak
-      (``parameters``, ``gradients``, ``optimizer_state``, ``activations``, ...);
-    - ``memprof/peak_step``: the step of that peak;
-    - ``memprof/step_peak_allocated_GiB``: the peak of the step just profiled.
+    - ``memprof/peak_allocated_GiB``: the peak of the step just profiled;
+      ``memprof/peak_reserved_GiB`` where the device reports it;
+    - ``memprof/<category>_GiB`` for each category at that peak
+      (``parameters``, ``gradients``, ``optimizer_state``, ``activations``, ...).
 
     They are written with ``logger.log_metrics`` at the trainer's step of the
     profiled step, not through ``LightningModule.log``, whose step metrics are
@@ -107,7 +106,7 @@ class MemprofCallback(Callback):
         self.report: Report | None = None
         self._tracker: Tracker | None = None
         self._step_offset = 0  # trainer.global_step when tracking began (a resumed fit)
-        self._steps_seen = 0  # tracker steps already looked at for logging
+        self._steps_seen = 0  # profiled steps before this one are logged already
         self._trained = False  # whether this fit started tracking
 
     # -- hooks -----------------------------------------------------------------
@@ -157,39 +156,21 @@ class MemprofCallback(Callback):
         self._tracker = tracker
         self._trained = True
 
-    def _is_profiled(self, step: int) -> bool:
-        # The schedule documented by memprof.track.
-        return step < self.warmup or (self.every > 0 and step % self.every == 0)
-
     def _log_profiled_steps(self, trainer: "pl.Trainer") -> None:
         tracker = self._tracker
-        if tracker is None:
+        peak = tracker.last_peak if tracker is not None else None
+        if peak is None or peak.step < self._steps_seen:
+            return  # no profiled step ended since the last call
+        self._steps_seen = peak.step + 1
+        if not self.log_metrics or not trainer.loggers or not trainer.is_global_zero:
             return
-        done = tracker.step  # steps the tracker has ended
-        profiled = [s for s in range(self._steps_seen, done) if self._is_profiled(s)]
-        self._steps_seen = done
-        if not profiled or not self.log_metrics or not trainer.loggers or not trainer.is_global_zero:
-            return
-        report = tracker.report()
-        if report.peak is None:
-            return
-        metrics = self._metrics(report, profiled[-1])
-        for logger in trainer.loggers:
-            sep = logger.group_separator
-            logger.log_metrics({f"memprof{sep}{k}": v for k, v in metrics.items()}, step=self._step_offset + profiled[-1])
-
-    def _metrics(self, report: Report, step: int) -> dict[str, float]:
-        peak = report.peak
-        assert peak is not None
         metrics = {"peak_allocated_GiB": peak.allocated / GiB}
         if peak.reserved is not None:
             metrics["peak_reserved_GiB"] = peak.reserved / GiB
         metrics.update({f"{category}_GiB": n / GiB for category, n in peak.bytes.items()})
-        metrics["peak_step"] = float(self._step_offset + peak.step)
-        row = report.steps[report.steps["step"] == step]
-        if len(row) and row["peak_allocated"].notna().iloc[-1]:
-            metrics["step_peak_allocated_GiB"] = float(row["peak_allocated"].iloc[-1]) / GiB
-        return metrics
+        for logger in trainer.loggers:
+            sep = logger.group_separator
+            logger.log_metrics({f"memprof{sep}{k}": v for k, v in metrics.items()}, step=self._step_offset + peak.step)
 
     def _close(self, exception: BaseException | None) -> Report | None:
         """Leave the ``track`` block (hooks removed even if this raises); return its report."""

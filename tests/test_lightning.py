@@ -170,7 +170,6 @@ def test_metrics_in_csv_logger(tmp_path):
     assert float(last["memprof/optimizer_state_GiB"]) == (4 * MiB + 8) / GiB
     assert float(last["memprof/activations_GiB"]) > 0
     assert float(last["memprof/peak_allocated_GiB"]) == cb.report.peak.allocated / GiB
-    assert "memprof/step_peak_allocated_GiB" in last
 
 
 def test_no_logging_when_disabled(tmp_path):
@@ -189,6 +188,7 @@ def test_print_report_or_log(capsys, caplog):
     assert any("memprof: peak" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.filterwarnings("ignore:.*LeafSpec")  # from Lightning's _pytree on the second fit
 def test_fit_twice():
     cb = MemprofCallback(print_report=False)
     trainer = fit(cb, max_steps=2)
