@@ -97,7 +97,9 @@ def _show(console: Console, report: Report) -> None:
 
 def _cmd_track(args: argparse.Namespace, console: Console) -> int:
     try:
-        report = observe_script(args.script, args.script_args, steps=args.steps, warmup=args.warmup, timeout=args.timeout)
+        report = observe_script(
+            args.script, args.script_args, steps=args.steps, warmup=args.warmup, timeout=args.timeout
+        )
     except ScriptError as exc:
         if exc.report is not None:  # what was measured before the failure
             _show(console, exc.report)
@@ -123,7 +125,9 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
     try:
         report = Report.load(args.file)
     except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{args.file!r} is not a memprof report (missing {exc}); give a file that memprof track --json wrote") from None
+        raise ValueError(
+            f"{args.file!r} is not a memprof report (missing {exc}); give a file that memprof track --json wrote"
+        ) from None
     script = report.meta.get("script")
     if script:
         _line(console, f"report of {script}: {len(report.steps)} step(s)")
@@ -133,9 +137,12 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_gpus(args: argparse.Namespace, console: Console) -> int:
     df = list_gpus()
-    table = Table(title="GPU catalogue (dense tensor-core TFLOPS; bandwidths per direction)", title_justify="left")
-    for header in ("GPU", "memory\nGiB", "memory\nGB/s", "FP16\nTFLOPS", "BF16\nTFLOPS", "FP32\nTFLOPS",
-                   "PCIe\nGB/s", "NVLink\nGB/s", "compute\ncapab."):
+    table = Table(
+        title="GPU catalogue: dense tensor-core TFLOPS, bandwidths per direction, CC = compute capability",
+        title_justify="left",
+    )
+    for header in ("GPU", "mem\nGiB", "mem\nGB/s", "FP16\nTFLOPS", "BF16\nTFLOPS", "FP32\nTFLOPS",
+                   "PCIe\nGB/s", "NVLink\nGB/s", "CC"):
         table.add_column(header, justify="left" if header == "GPU" else "right", no_wrap=header == "GPU")
 
     def num(x) -> str:
@@ -156,11 +163,9 @@ def _cmd_estimate(args: argparse.Namespace, console: Console) -> int:
         args.params, args.precision, args.optimizer, args.zero_stage, args.world_size, offload
     )
     gpu = get_gpu(args.gpu) if args.gpu is not None else None  # fail before printing anything
-    table = Table(
-        title=f"model states per rank: {args.params:,} parameters, {args.precision}, {args.optimizer}, "
-        f"ZeRO stage {args.zero_stage}, world size {args.world_size}, offload {args.offload}",
-        title_justify="left",
-    )
+    _line(console, f"{args.params:,} parameters, {args.precision}, {args.optimizer}, ZeRO stage {args.zero_stage}, "
+                   f"world size {args.world_size}, offload {args.offload}")
+    table = Table(title="model states per rank", title_justify="left")
     table.add_column("component")
     table.add_column("GiB", justify="right")
     table.add_column("bytes", justify="right")
@@ -168,7 +173,8 @@ def _cmd_estimate(args: argparse.Namespace, console: Console) -> int:
         b = getattr(states, name)
         table.add_row(name, f"{b / GiB:,.2f}", f"{b:,}")
     console.print(table)
-    _line(console, f"on the GPU: {_gib(states.total)} per rank ({states.total:,} B, {states.bytes_per_param:.2f} B/param)")
+    per_param = f"{states.bytes_per_param:.2f} B/param"
+    _line(console, f"on the GPU: {_gib(states.total)} per rank ({states.total:,} B, {per_param})")
     if states.host_total:
         _line(console, f"offloaded to host memory: {_gib(states.host_total)} per rank ({states.host_total:,} B)")
     on_top = "activations, temporaries and the CUDA context come on top"
@@ -242,8 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        hint = f"; pass the script's own arguments after --, e.g. -- {' '.join(unknown)}" if args.command == "track" else ""
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        extra = " ".join(unknown)
+        hint = f"; pass the script's own arguments after --, e.g. -- {extra}" if args.command == "track" else ""
+        parser.error(f"unrecognized arguments: {extra}{hint}")
     if script_args and args.command != "track":
         parser.error(f"arguments after -- go to a script, and only `memprof track` runs one: {' '.join(script_args)}")
     args.script_args = script_args

@@ -73,8 +73,8 @@ class _Stop(BaseException):
 class _Observer:
     """The hooks that find the model and optimizer, start tracking and stop the script."""
 
-    def __init__(self, script: Path, steps: int, warmup: int, timeout: float | None) -> None:
-        self.script, self.steps, self.warmup = script, steps, warmup
+    def __init__(self, steps: int, warmup: int, timeout: float | None) -> None:
+        self.steps, self.warmup = steps, warmup
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.optimizer_steps = 0  # optimizer steps seen before tracking began
         self.tracker: Tracker | None = None
@@ -159,7 +159,8 @@ class _Observer:
         # training step: exit as if interrupted, which drops it.
         self._stack.callback(tracker.__exit__, _Stop, _Stop(), None)
         self._stack.callback(register_optimizer_step_post_hook(self._on_tracked_step).remove)
-        log.info("tracking %s with %s from optimizer step %d", type(model).__name__, type(opt).__name__, self.optimizer_steps + 1)
+        names = type(model).__name__, type(opt).__name__
+        log.info("tracking %s with %s from optimizer step %d", *names, self.optimizer_steps + 1)
 
     def _restore_profile(self) -> None:
         if self._profiling:
@@ -251,7 +252,7 @@ def observe_script(
         raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
     script = _load(path)
 
-    observer = _Observer(script, steps, warmup, timeout)
+    observer = _Observer(steps, warmup, timeout)
     saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
     outcome: BaseException | None = None
     try:

@@ -1,0 +1,249 @@
+"""memprof.runner: observing unmodified scripts on the CPU, exact bytes, no hooks left behind."""
+
+import logging
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch.nn.modules.module as module_hooks
+import torch.optim.optimizer as optimizer_hooks
+
+from memprof.runner import ScriptError, observe_script
+
+MiB = 1 << 20
+
+# Two 512x512 fp32 weights without bias (1 MiB each), AdamW, a loss *module*
+# called after the model, argparse, loss.item(), and a try/except Exception
+# around each step that must not swallow memprof's stop.
+MLP = """
+import argparse, json, sys
+import torch
+from torch import nn
+import {sibling}  # next to the script: importable as under `python script.py`
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=100)
+p.add_argument("--accum", type=int, default=1)
+args = p.parse_args()
+print("ARGV " + json.dumps(sys.argv))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False))
+opt = torch.optim.AdamW(model.parameters())
+loss_fn = nn.MSELoss()
+x, y = torch.randn(64, 512), torch.randn(64, 512)
+for step in range(args.steps):
+    try:
+        for _ in range(args.accum):
+            loss = loss_fn(model(x), y) / args.accum
+            loss.backward()
+        print(f"step {{step}} loss {{loss.item():.4f}}")
+        opt.step()
+        opt.zero_grad()
+    except Exception as exc:
+        print("swallowed", type(exc).__name__)
+        raise SystemExit(3)
+print("done")
+"""
+
+
+def hooks_left():
+    """Every process-wide hook that memprof might have registered, and the profile function."""
+    return {
+        "forward_pre": dict(module_hooks._global_forward_pre_hooks),
+        "forward": dict(module_hooks._global_forward_hooks),
+        "forward_always": dict(module_hooks._global_forward_hooks_always_called),
+        "optimizer_pre": dict(optimizer_hooks._global_optimizer_pre_hooks),
+        "optimizer_post": dict(optimizer_hooks._global_optimizer_post_hooks),
+        "profile": sys.getprofile(),
+    }
+
+
+NO_HOOKS = {k: {} for k in ("forward_pre", "forward", "forward_always", "optimizer_pre", "optimizer_post")} | {
+    "profile": None
+}
+
+
+@pytest.fixture
+def clean():
+    """Check that argv, sys.path and the global hooks are as before, whatever the test did."""
+    argv, path = list(sys.argv), list(sys.path)
+    assert hooks_left() == NO_HOOKS
+    yield
+    assert sys.argv == argv
+    assert sys.path == path
+    assert hooks_left() == NO_HOOKS
+
+
+def write(tmp_path, source, name="train.py"):
+    script = tmp_path / name
+    script.write_text(textwrap.dedent(source))
+    return script
+
+
+@pytest.fixture
+def mlp_script(tmp_path):
+    sibling = f"sibling_{uuid.uuid4().hex}"
+    (tmp_path / f"{sibling}.py").write_text("")
+    yield write(tmp_path, MLP.format(sibling=sibling))
+    sys.modules.pop(sibling, None)
+
+
+def printed_steps(out):
+    return [int(line.split()[1]) for line in out.splitlines() if line.startswith("step ")]
+
+
+def test_observes_exact_bytes_and_stops_after_steps(mlp_script, capsys, clean):
+    report = observe_script(mlp_script, ["--steps", "50"], steps=3)
+    out = capsys.readouterr().out
+
+    assert f'ARGV ["{mlp_script}", "--steps", "50"]' in out
+    # 1 warmup step finds the model, then 3 tracked steps; the script stops in
+    # the 4th step's optimizer.step(), which its `except Exception` cannot catch.
+    assert printed_steps(out) == [0, 1, 2, 3]
+    assert "swallowed" not in out and "done" not in out
+
+    assert len(report.steps) == 3
+    assert report.steps["step"].tolist() == [0, 1, 2]
+    assert report.steps["profiled"].all()
+    peak = report.peak.bytes
+    assert peak["parameters"] == 2 * MiB  # two 512x512 fp32 weights
+    assert peak["buffers"] == 0
+    # AdamW: exp_avg and exp_avg_sq of every weight, and a 4-byte fp32 step per weight.
+    assert report.optimizer_state == {"exp_avg": 2 * MiB, "exp_avg_sq": 2 * MiB, "step": 8}
+    # The model, not the MSELoss module called after it, is the root.
+    assert report.modules.index[0] == "Sequential"
+    cols = ["parameters", "gradients", "optimizer_state"]
+    assert report.modules.loc["Sequential.0", cols].tolist() == [MiB, MiB, 2 * MiB + 4]
+    assert report.modules.loc["Sequential.2", cols].tolist() == [MiB, MiB, 2 * MiB + 4]
+    assert report.modules.loc["Sequential.0", "activations"] == 64 * 512 * 4  # Linear saves its input x
+    assert report.meta["observed_steps"] == 3
+    assert report.meta["script_args"] == ["--steps", "50"]
+
+
+def test_gradient_accumulation_and_warmup(mlp_script, capsys, clean):
+    report = observe_script(mlp_script, ["--accum", "4"], steps=2, warmup=2)
+    assert printed_steps(capsys.readouterr().out) == [0, 1, 2, 3]  # 2 warmup + 2 tracked
+    assert len(report.steps) == 2
+    assert report.peak.bytes["parameters"] == 2 * MiB
+
+
+def test_script_ending_early_gives_the_steps_it_made(mlp_script, capsys, caplog, clean):
+    with caplog.at_level(logging.WARNING, logger="memprof"):
+        report = observe_script(mlp_script, ["--steps", "2"], steps=3)
+    assert "done" in capsys.readouterr().out
+    assert len(report.steps) == 1  # step 0 found the model, step 1 was tracked
+    assert "ended after 1 of 3 tracked steps" in caplog.text
+
+
+def test_picks_the_model_the_optimizer_trains(tmp_path, clean):
+    # A frozen encoder and the model are both outermost modules; only the
+    # model's parameters are optimized, and a loss module is called last.
+    script = write(tmp_path, """
+        import torch
+        from torch import nn
+        class Student(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(256, 256, bias=False)
+            def forward(self, x):
+                return self.fc(x)
+        encoder = nn.Linear(256, 256)
+        student = Student()
+        opt = torch.optim.SGD(student.parameters(), lr=0.1)
+        for _ in range(10):
+            with torch.no_grad():
+                h = encoder(torch.randn(8, 256))
+            nn.MSELoss()(student(h), h).backward()
+            opt.step()
+            opt.zero_grad()
+    """)
+    report = observe_script(script, steps=2)
+    assert report.modules.index.tolist() == ["Student", "Student.fc"]
+    assert report.peak.bytes["parameters"] == 256 * 256 * 4
+    assert report.optimizer_state == {}  # plain SGD keeps no state
+
+
+ERRORS = {
+    "raises": ("import torch\nraise ValueError('no data at /data')\n",
+               ["ValueError: no data at /data", "line 2", "could not observe a training step"]),
+    "no_optimizer": ("import torch\nprint(torch.nn.Linear(2, 2)(torch.ones(2)))\n",
+                     ["without an optimizer step", "optimizer.step()"]),
+    "bad_arguments": ("import argparse\nargparse.ArgumentParser().parse_args()\n",
+                      ["exited with status 2", "after --"]),
+    "one_step_only": ("import torch\nm = torch.nn.Linear(2, 2)\no = torch.optim.SGD(m.parameters(), 0.1)\n"
+                      "m(torch.ones(2)).sum().backward()\no.step()\n",
+                      ["ended before a tracked step finished", "1 + 3 optimizer steps"]),
+    "no_module": ("import torch\nw = torch.nn.Parameter(torch.ones(2))\no = torch.optim.SGD([w], 0.1)\n"
+                  "while True:\n    (w * 2).sum().backward()\n    o.step()\n",
+                  ["SGD.step() ran, but no module", "model(x)"]),
+    "raises_after_tracking": (
+        "import torch\nm = torch.nn.Linear(2, 2)\no = torch.optim.SGD(m.parameters(), 0.1)\n"
+        "for i in range(10):\n    m(torch.ones(2)).sum().backward()\n    o.step()\n"
+        "    if i == 2:\n        raise RuntimeError('CUDA out of memory')\n",
+        ["RuntimeError: CUDA out of memory", "after 2 of 3 tracked steps"]),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_script_errors_name_the_cause(tmp_path, case, clean):
+    source, expected = ERRORS[case]
+    with pytest.raises(ScriptError) as info:
+        observe_script(write(tmp_path, source), ["--bogus"] if case == "bad_arguments" else [], steps=3)
+    for text in expected:
+        assert text in str(info.value)
+    if case == "raises_after_tracking":  # what was measured before the failure comes with it
+        assert len(info.value.report.steps) == 2
+
+
+def test_missing_directory_and_syntax_error(tmp_path, clean):
+    with pytest.raises(ScriptError, match="'nope.py' does not exist"):
+        observe_script("nope.py")
+    with pytest.raises(ScriptError, match="is a directory"):
+        observe_script(tmp_path)
+    with pytest.raises(ScriptError, match=r"train.py:3: syntax error"):
+        observe_script(write(tmp_path, "import torch\n\ndef f(:\n"))
+
+
+def test_ctrl_c(tmp_path, clean):
+    before = write(tmp_path, "raise KeyboardInterrupt\n", "before.py")
+    with pytest.raises(KeyboardInterrupt):
+        observe_script(before)
+    after = write(tmp_path, """
+        import torch
+        m = torch.nn.Linear(4, 4)
+        o = torch.optim.SGD(m.parameters(), 0.1)
+        for i in range(10):
+            m(torch.ones(4)).sum().backward()
+            o.step()
+            if i == 2:
+                raise KeyboardInterrupt
+    """, "after.py")
+    report = observe_script(after, steps=5)  # interrupted after 2 tracked steps: those are reported
+    assert len(report.steps) == 2
+
+
+def test_timeout(tmp_path, clean):
+    script = write(tmp_path, "import torch\nm = torch.nn.Linear(2, 2)\nwhile True:\n    m(torch.ones(2))\n")
+    with pytest.raises(ScriptError, match="no training step finished within the timeout"):
+        observe_script(script, timeout=0.3)
+
+
+def test_script_already_tracking(tmp_path, clean):
+    script = write(tmp_path, """
+        import torch, memprof
+        m = torch.nn.Linear(4, 4)
+        o = torch.optim.SGD(m.parameters(), 0.1)
+        with memprof.track(m, o):
+            for _ in range(10):
+                m(torch.ones(4)).sum().backward()
+                o.step()
+    """)
+    with pytest.raises(ScriptError, match="could not start tracking Linear: memprof.track is already active"):
+        observe_script(script)
+
+
+@pytest.mark.parametrize("kw", [{"steps": 0}, {"warmup": 0}, {"steps": 1.5}, {"timeout": 0}])
+def test_bad_arguments(mlp_script, kw, clean):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        observe_script(mlp_script, **kw)
