@@ -1,8 +1,24 @@
 """memprof: where training memory goes, and what to change so it fits."""
 
 from .categories import Category
+from .devices import CATALOGUE, GPU, get_gpu
+from .estimate import ModelStates, estimate_model_states
 from .report import Breakdown, Report
+from .runner import ScriptError, observe_script
 from .tracker import Tracker, track
 
-__all__ = ["Breakdown", "Category", "Report", "Tracker", "track"]
+__all__ = [
+    "CATALOGUE",
+    "GPU",
+    "Breakdown",
+    "Category",
+    "ModelStates",
+    "Report",
+    "ScriptError",
+    "Tracker",
+    "estimate_model_states",
+    "get_gpu",
+    "observe_script",
+    "track",
+]
 __version__ = "0.1.0"
