@@ -124,7 +124,10 @@ def test_real_models(build, dtype):
     cats = [c.value for c in ALLOCATED]
     assert (r.timeline[cats].sum(axis=1) == r.timeline["allocated"]).all()
     assert (r.timeline["temporaries"] >= 0).all()
-    assert r.steps["peak_allocated"].tolist()[1:] == untracked[1:]
+    # cuDNN may pick convolution algorithms with other workspaces from run to
+    # run, so real models are compared within 1 % (the MLP above: to the byte).
+    for tracked, expected in zip(r.steps["peak_allocated"].tolist()[1:], untracked[1:]):
+        assert abs(tracked - expected) <= 0.01 * expected
     p = r.peak
     # At this small scale op workspaces (cuDNN) and the loss's temporaries are
     # about a tenth of the peak (benchmarks/attribution.py gpt2-small-bf16 and
