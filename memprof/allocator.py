@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Counters", "DeviceCounters", "nvml_used_bytes"]
+__all__ = ["Counters", "DeviceCounters", "counters_for", "nvml_used_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,17 @@ class DeviceCounters:
 
     def nvml_used(self) -> int | None:
         return nvml_used_bytes(self.device) if self.available else None
+
+
+def counters_for(device: torch.device):
+    """The counters of ``device``: CUDA's, a simulated GPU's (meta tensors), or none."""
+    if device.type == "meta":
+        from .virtual_cuda import current
+
+        vc = current()
+        if vc is not None and vc.allocator is not None:
+            return vc.allocator
+    return DeviceCounters(device)
 
 
 _nvml_handles: dict[str, object] = {}

@@ -19,18 +19,12 @@ from .categories import Category
 
 __all__ = ["Entry", "Ledger", "storage_bytes"]
 
-# CUDA's caching allocator hands out blocks in multiples of 512 bytes, with a
-# 512-byte minimum (c10/cuda/CUDACachingAllocator.cpp, round_size), and
-# torch.cuda.memory_allocated() counts those rounded blocks.
-_CUDA_BLOCK = 512
 
 
-def storage_bytes(storage: torch.UntypedStorage) -> int:
-    """Bytes a storage occupies in its device's allocator."""
+def storage_bytes(storage: torch.UntypedStorage, block: int = 1) -> int:
+    """Bytes a storage occupies in an allocator that hands out ``block``-byte multiples."""
     n = storage.nbytes()
-    if n and storage.device.type == "cuda":
-        return -(-n // _CUDA_BLOCK) * _CUDA_BLOCK
-    return n
+    return -(-n // block) * block
 
 
 @dataclass
@@ -44,7 +38,11 @@ class Entry:
 class Ledger:
     """Live storages by category, with running totals that are O(1) to read."""
 
-    def __init__(self) -> None:
+    def __init__(self, block: int = 1) -> None:
+        # CUDA's caching allocator hands out 512-byte multiples
+        # (c10/cuda/CUDACachingAllocator.cpp, round_size), and
+        # torch.cuda.memory_allocated() counts those rounded blocks.
+        self.block = block
         self._entries: dict[weakref.ref, Entry] = {}
         self.totals: dict[Category, int] = defaultdict(int)
 
@@ -78,7 +76,7 @@ class Ledger:
             old.category, old.module, old.detail = category, module, detail
             self.totals[category] += old.nbytes
             return old.nbytes
-        nbytes = storage_bytes(storage)
+        nbytes = storage_bytes(storage, self.block)
         if nbytes == 0:
             return 0
         entries[weakref.ref(storage, self._forget)] = Entry(category, module, detail, nbytes)

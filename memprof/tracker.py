@@ -31,7 +31,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .allocator import DeviceCounters
+from .allocator import counters_for
 from .categories import ALLOCATED, Category
 from .ledger import Ledger
 from .report import MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Report
@@ -115,8 +115,9 @@ class Tracker:
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
         self.device = self._resolve_device(model, device)
         self.warmup, self.every = warmup, every
-        self._counters = DeviceCounters(self.device)
-        self._ledger = Ledger()
+        self._counters = counters_for(self.device)
+        # Allocator blocks are 512-byte multiples on CUDA, real or simulated.
+        self._ledger = Ledger(block=512 if self._counters.available else 1)
         root = type(model).__name__
         self._root_name = root
         # module -> qualified name, prefixed by the root's class so names are

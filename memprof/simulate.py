@@ -1,0 +1,179 @@
+"""``memprof.simulate``: predict a training step's memory on a GPU you don't have.
+
+The step runs on a simulated CUDA device (``memprof.virtual_cuda``): meta
+tensors with the target's autocast, attention kernels and optimizer
+implementations. A ``SimulatedAllocator`` sees every operator's outputs below
+autograd, so it sees what the GPU's allocator would be asked for, in order,
+and replays those requests through a model of PyTorch's caching allocator
+(``memprof.caching``) for allocated and reserved bytes. ``memprof.track``
+reads these counters as it reads CUDA's, so a simulation produces the same
+``Report`` as a measurement: same categories, same module rows.
+
+What a simulation cannot know: values. ``.item()`` returns 1 and ``bool()``
+False, so data-dependent control flow takes the branch those take, and operators
+whose output shape depends on data (``nonzero``, ``unique``, boolean
+indexing) cannot run on meta tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from contextlib import nullcontext
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .allocator import Counters
+from .caching import CachingAllocatorModel
+from .devices import GPU, get_gpu
+from .report import Report
+from .tracker import track
+from .virtual_cuda import VirtualCUDA
+
+__all__ = ["SimulatedAllocator", "simulate", "cublas_workspace_bytes"]
+
+log = logging.getLogger(__name__)
+
+# Device memory outside PyTorch's allocator: CUDA context, cuBLAS and NCCL
+# handles. Measured on an H200 with torch 2.11 (NVML used - reserved):
+# 1.33-1.35 GiB (benchmarks/results/attribution.json).
+NON_PYTORCH_BYTES = 1_450_000_000
+
+_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "addmv", "mv", "_addmm_activation"}
+
+
+def cublas_workspace_bytes(gpu: GPU) -> int:
+    """cuBLAS's workspace, which PyTorch takes from its caching allocator once per handle.
+
+    PyTorch's default CUBLAS_WORKSPACE_CONFIG is ``:4096:8`` on Hopper and
+    newer (8 chunks of 4 MiB) and ``:4096:2:16:8`` before (2 of 4 MiB, 8 of
+    16 KiB): aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize.
+    """
+    if gpu.compute_capability >= (9, 0):
+        return 8 * 4096 * 1024
+    return 2 * 4096 * 1024 + 8 * 16 * 1024
+
+
+class SimulatedAllocator(TorchDispatchMode):
+    """Counts the device memory a step on meta tensors would take on the target GPU."""
+
+    available = True
+
+    def __init__(self, gpu: GPU, capacity: int | None = None) -> None:
+        super().__init__()
+        self.gpu = gpu
+        self.model = CachingAllocatorModel(capacity)
+        self._handles: dict[weakref.ref, int] = {}
+        self._workspace: int | None = None
+
+    # -- the counters memprof.track reads --------------------------------------
+    def read(self) -> Counters:
+        m = self.model
+        return Counters(m.allocated, m.reserved, m.peak_allocated, m.peak_reserved)
+
+    def reset_peak(self) -> None:
+        self.model.reset_peak()
+
+    def nvml_used(self) -> int:
+        return self.model.reserved + NON_PYTORCH_BYTES
+
+    def empty_cache(self) -> None:
+        self.model.empty_cache()
+
+    # -- allocation events -----------------------------------------------------
+    def adopt(self, tensors) -> None:
+        """Count tensors that exist already (made before the simulation began)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                self._allocate(t.untyped_storage())
+
+    def _allocate(self, storage: torch.UntypedStorage) -> None:
+        key = weakref.ref(storage)
+        if key in self._handles:
+            return
+        handle = self.model.malloc(storage.nbytes())
+        self._handles[weakref.ref(storage, self._free)] = handle
+
+    def _free(self, key: weakref.ref) -> None:
+        handle = self._handles.pop(key, None)
+        if handle is not None:
+            self.model.free(handle)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._workspace is None and func.__name__.split(".")[0] in _MATMUL_OPS:
+            # Taken at the first matrix product and kept for the process's life.
+            self._workspace = self.model.malloc(cublas_workspace_bytes(self.gpu))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                self._allocate(t.untyped_storage())
+        return out
+
+
+def simulate(
+    setup: Callable[[], Any],
+    step: Callable[..., Any] | None = None,
+    *,
+    target: str | GPU = "H100-80GB",
+    steps: int = 3,
+    on_meta: bool = True,
+) -> Report:
+    """Predict the memory of ``steps`` training steps on ``target`` without running them there.
+
+    ``setup()`` builds the model and optimizer, written as for the GPU
+    (``.cuda()``, ``device="cuda"`` are fine), and returns ``(model,
+    optimizer)`` or ``(model, optimizer, step)``; ``step()`` (or
+    ``step(model, optimizer)``) runs one training step. With ``on_meta``
+    (default) ``setup`` runs under ``torch.device("meta")``, so weights are
+    never materialised and a 7 B model costs nothing to build.
+
+    Returns the same :class:`memprof.Report` as :func:`memprof.track`, with
+    ``source == "simulate"`` and the target in ``meta``.
+    """
+    gpu = get_gpu(target)
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    allocator = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=allocator):
+        with torch.device("meta") if on_meta else nullcontext():
+            built = setup()
+        model, optimizer, step = _unpack(built, step)
+        run = (lambda: step(model, optimizer)) if _takes_two(step) else step
+        with track(model, optimizer, warmup=steps, every=1, timeline_steps=steps) as prof:
+            for _ in range(steps):
+                run()
+    report = prof.report()
+    report.source = "simulate"
+    report.meta.update(target=gpu.name, host="cpu" if not torch.cuda.is_available() else "cuda")
+    return report
+
+
+def _unpack(built: Any, step: Callable | None):
+    if not isinstance(built, tuple) or len(built) not in (2, 3):
+        raise TypeError(
+            f"setup() must return (model, optimizer) or (model, optimizer, step), got {type(built).__name__}"
+        )
+    model, optimizer = built[0], built[1]
+    if len(built) == 3:
+        if step is not None:
+            raise TypeError("give the step either as simulate()'s step argument or in setup()'s result, not both")
+        step = built[2]
+    if step is None:
+        raise TypeError("no step to simulate: pass step=... or return (model, optimizer, step) from setup()")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"setup()'s first result must be an nn.Module, got {type(model).__name__}")
+    return model, optimizer, step
+
+
+def _takes_two(fn: Callable) -> bool:
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values() if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 2
