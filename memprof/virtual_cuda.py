@@ -29,7 +29,7 @@ exit, exceptions included. Memory is counted by a ``SimulatedAllocator``
 from __future__ import annotations
 
 import logging
-import types
+from types import FunctionType, SimpleNamespace
 from contextlib import ExitStack
 from typing import Any, Callable
 
@@ -126,7 +126,43 @@ class _Mode(TorchFunctionMode):
             return self.vc._sdpa(*args, **kwargs)
         if func is torch.Tensor.backward:
             return self._backward(*args, **kwargs)
+        if isinstance(func, FunctionType) and func.__module__ in _PYTHON_FUNCTIONALS and _checks(func):
+            # A Python function such as F.multi_head_attention_forward calls
+            # more torch functions (linear, scaled_dot_product_attention), and
+            # those must meet autocast and the kernel choice too; the mode is
+            # off while it handles this call, so run the body with it on.
+            with self:
+                return _unchecked(func)(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+_PYTHON_FUNCTIONALS = frozenset({"torch.nn.functional", "torch.functional"})
+_unchecked_cache: dict[Callable, Callable] = {}
+
+
+def _no_torch_function(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+def _checks(func: FunctionType) -> bool:
+    """Whether ``func`` hands itself to torch-function modes (as F.* functions do)."""
+    return any(n in _CHECKS for n in func.__code__.co_names)
+
+
+_CHECKS = frozenset({"has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"})
+
+
+def _unchecked(func: FunctionType) -> FunctionType:
+    """``func`` without its own has_torch_function check, which would hand it back to the mode."""
+    fn = _unchecked_cache.get(func)
+    if fn is None:
+        scope = dict(func.__globals__)
+        for name in _CHECKS:
+            scope[name] = _no_torch_function
+        fn = FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
+        fn.__kwdefaults__ = func.__kwdefaults__
+        _unchecked_cache[func] = fn
+    return fn
 
 
 def _run_backward(mode: "_Mode", tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
@@ -172,7 +208,7 @@ class VirtualCUDA:
     # -- the torch.cuda API as the target answers it ---------------------------
     def _cuda_api(self) -> dict[str, Callable]:
         gpu, alloc = self.gpu, self.allocator
-        props = types.SimpleNamespace(
+        props = SimpleNamespace(
             name=gpu.name,
             total_memory=gpu.memory_bytes,
             major=gpu.compute_capability[0],
@@ -215,6 +251,11 @@ class VirtualCUDA:
         try:
             for attr, fn in self._cuda_api().items():
                 stack.enter_context(_replace(torch.cuda, attr, fn))
+            accelerator = getattr(torch, "accelerator", None)
+            if accelerator is not None:  # torch >= 2.6 asks it, e.g. in the optimizer's graph-capture check
+                for attr, fn in _ACCELERATOR_API.items():
+                    if hasattr(accelerator, attr):
+                        stack.enter_context(_replace(accelerator, attr, fn))
             stack.callback(register_optimizer_step_pre_hook(_prefer_foreach).remove)
             if self.allocator is not None:
                 stack.enter_context(self.allocator)
@@ -249,6 +290,25 @@ class VirtualCUDA:
         return ops._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]
+
+
+class _Stream:
+    """The default stream of the simulated device: never capturing a graph."""
+
+    def is_capturing(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass
+
+
+_ACCELERATOR_API: dict[str, Callable] = {
+    "is_available": lambda: True,
+    "device_count": lambda: 1,
+    "current_device_index": lambda: 0,
+    "current_stream": lambda device=None: _Stream(),
+    "synchronize": lambda device=None: None,
+}
 
 
 def _prefer_foreach(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
