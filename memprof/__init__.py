@@ -3,8 +3,9 @@
 from .categories import Category
 from .devices import CATALOGUE, GPU, get_gpu
 from .estimate import ModelStates, estimate_model_states
-from .report import Breakdown, Report
+from .report import Breakdown, Report, compare
 from .runner import ScriptError, observe_script
+from .simulate import simulate
 from .tracker import Tracker, track
 
 __all__ = [
@@ -16,9 +17,11 @@ __all__ = [
     "Report",
     "ScriptError",
     "Tracker",
+    "compare",
     "estimate_model_states",
     "get_gpu",
     "observe_script",
+    "simulate",
     "track",
 ]
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ import pandas as pd
 from .categories import ALLOCATED, OUTSIDE_ALLOCATED, Category
 from .units import GiB, fmt_bytes
 
-__all__ = ["Breakdown", "Report", "MODULE_COLUMNS", "STEP_COLUMNS"]
+__all__ = ["Breakdown", "Report", "compare", "MODULE_COLUMNS", "STEP_COLUMNS"]
 
 SCHEMA_VERSION = 1
 
@@ -183,3 +183,40 @@ def _json_default(o: Any) -> Any:
     if hasattr(o, "item"):
         return o.item()
     raise TypeError(f"cannot serialise {type(o).__name__} in a report")
+
+
+def compare(predicted: Report, measured: Report) -> pd.DataFrame:
+    """Predicted next to measured, category by category and module by module.
+
+    One row per peak category (``("category", name)``), per step peak
+    (``("step", "peak_allocated")``, of the last step of each), and per module
+    and module column (``("module:<column>", module)``); columns
+    ``predicted``, ``measured``, ``difference`` (bytes) and ``relative``
+    (difference over measured).
+    """
+    rows: dict[tuple[str, str], tuple[float, float]] = {}
+    if predicted.peak is not None and measured.peak is not None:
+        for cat in (*ALLOCATED, *OUTSIDE_ALLOCATED):
+            p, m = predicted.peak.bytes.get(cat.value), measured.peak.bytes.get(cat.value)
+            if p is not None or m is not None:
+                rows[("category", cat.value)] = (p or 0, m or 0)
+        rows[("category", "allocated")] = (predicted.peak.allocated, measured.peak.allocated)
+    for col in ("peak_allocated", "peak_reserved"):
+        p, m = _last(predicted.steps, col), _last(measured.steps, col)
+        if p is not None and m is not None:
+            rows[("step", col)] = (p, m)
+    common = predicted.modules.index.intersection(measured.modules.index)
+    for col in MODULE_COLUMNS[1:]:
+        for name in common:
+            rows[(f"module:{col}", name)] = (predicted.modules.at[name, col], measured.modules.at[name, col])
+    df = pd.DataFrame.from_dict(rows, orient="index", columns=["predicted", "measured"])
+    df.index = pd.MultiIndex.from_tuples(df.index, names=["what", "name"])
+    df["difference"] = df["predicted"] - df["measured"]
+    df["relative"] = (df["difference"] / df["measured"].where(df["measured"] != 0)).astype(float)
+    return df
+
+
+def _last(steps: pd.DataFrame, col: str) -> float | None:
+    if col not in steps or not len(steps) or pd.isna(steps[col].iloc[-1]):
+        return None
+    return float(steps[col].iloc[-1])

@@ -142,6 +142,9 @@ def simulate(
         with torch.device("meta") if on_meta else nullcontext():
             built = setup()
         model, optimizer, step = _unpack(built, step)
+        # Tensors made before the simulation began (a model built on meta by
+        # the caller) are device memory too.
+        allocator.adopt(_state_tensors(model, optimizer))
         run = (lambda: step(model, optimizer)) if _takes_two(step) else step
         with track(model, optimizer, warmup=steps, every=1, timeline_steps=steps) as prof:
             for _ in range(steps):
@@ -150,6 +153,15 @@ def simulate(
     report.source = "simulate"
     report.meta.update(target=gpu.name, host="cpu" if not torch.cuda.is_available() else "cuda")
     return report
+
+
+def _state_tensors(model: nn.Module, optimizer: Any):
+    yield from model.parameters()
+    yield from model.buffers()
+    yield from (p.grad for p in model.parameters() if p.grad is not None)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for state in optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _unpack(built: Any, step: Callable | None):

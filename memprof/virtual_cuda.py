@@ -230,6 +230,13 @@ class VirtualCUDA:
             "is_bf16_supported": lambda including_emulation=True: gpu.bf16,
             "manual_seed": lambda seed: None,
             "manual_seed_all": lambda seed: None,
+            "seed": lambda: None,
+            "initial_seed": lambda: 0,
+            "get_rng_state": lambda device=None: torch.zeros(16, dtype=torch.uint8, device="cpu"),
+            "set_rng_state": lambda state, device=None: None,
+            "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8, device="cpu")],
+            "set_rng_state_all": lambda states: None,
+            "device": _NoDevice,
             "empty_cache": lambda: alloc.empty_cache() if alloc else None,
         }
         if alloc is not None:
@@ -251,6 +258,12 @@ class VirtualCUDA:
         try:
             for attr, fn in self._cuda_api().items():
                 stack.enter_context(_replace(torch.cuda, attr, fn))
+            # Activation checkpointing restores the autocast state and RNG of
+            # its inputs' device for recomputation: that device is CUDA here.
+            import torch.utils.checkpoint as ckpt
+
+            infer = ckpt._infer_device_type
+            stack.enter_context(_replace(ckpt, "_infer_device_type", lambda *a: "cuda" if infer(*a) == "meta" else infer(*a)))
             accelerator = getattr(torch, "accelerator", None)
             if accelerator is not None:  # torch >= 2.6 asks it, e.g. in the optimizer's graph-capture check
                 for attr, fn in _ACCELERATOR_API.items():
@@ -290,6 +303,19 @@ class VirtualCUDA:
         return ops._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]
+
+
+class _NoDevice:
+    """``torch.cuda.device(i)``: one simulated device, nothing to switch."""
+
+    def __init__(self, device: Any = None) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 class _Stream:

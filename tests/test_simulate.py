@@ -1,0 +1,217 @@
+"""The simulator on the CPU: exact bytes, the same Report as track, CUDA's policies."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memprof
+from memprof.autocast_policy import AutocastPolicy
+from memprof.simulate import cublas_workspace_bytes
+from memprof.virtual_cuda import VirtualCUDA, sdpa_backend
+from models import MiB, mlp, train
+
+H100 = memprof.get_gpu("h100")
+
+
+def mlp_setup(autocast: bool = False):
+    def setup():
+        model = mlp().cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randn(512, 512, device="cuda")
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        return model, opt, step
+
+    return setup
+
+
+def test_simulated_mlp_exact_bytes():
+    r = memprof.simulate(mlp_setup(), target="h100", steps=3)
+    assert r.source == "simulate" and r.meta["target"] == "H100-80GB"
+    # On CUDA Adam's `step` counters stay on the host: only m and v are device memory.
+    assert r.optimizer_state == {"exp_avg": 2 * MiB, "exp_avg_sq": 2 * MiB}
+    m = r.modules
+    assert m.loc["Sequential.0", ["parameters", "gradients", "optimizer_state", "activations"]].tolist() == [MiB, MiB, 2 * MiB, MiB]
+    assert m.loc["Sequential.1", "activations"] == MiB
+    cats = [c.value for c in memprof.categories.ALLOCATED]
+    assert (r.timeline[cats].sum(axis=1) == r.timeline["allocated"]).all()
+    assert (r.timeline["temporaries"] >= 0).all()
+    # The 32 MiB cuBLAS workspace (Hopper) is live from the first matmul on.
+    assert cublas_workspace_bytes(H100) == 32 * MiB
+    assert (r.timeline["temporaries"] >= 32 * MiB).all()
+
+
+def test_simulation_matches_track_on_cpu():
+    """Named categories, module by module: a simulated CUDA step attributes what a
+    CPU step attributes (shapes whose storages are 512-byte multiples)."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.track(model) as prof:
+        train(model, opt, torch.randn(512, 512), 3)
+    live = prof.report()
+    sim = memprof.simulate(mlp_setup(), target="h100", steps=3)
+    # (forward_peak_delta differs by design: on the CPU only attributed storages
+    # are counted, a simulated GPU counts every allocation)
+    cols = ["parameters", "gradients", "activations"]
+    assert sim.modules[cols].equals(live.modules[cols])
+    # The CPU run also counts AdamW's 4-byte `step` tensors (they live on the CPU there).
+    assert (live.modules["optimizer_state"] - sim.modules["optimizer_state"]).tolist() == [0, 4, 0, 4]
+    diff = memprof.compare(sim, live)
+    assert diff.loc[("category", "parameters"), "difference"] == 0
+    assert diff.loc[("module:activations", "Sequential.2"), "relative"] == 0
+
+
+def test_autocast_halves_what_linear_saves():
+    r32 = memprof.simulate(mlp_setup(False), target="h100", steps=2)
+    r16 = memprof.simulate(mlp_setup(True), target="h100", steps=2)
+    # bf16 autocast: the first Linear saves a bf16 copy of x (512 KiB) instead
+    # of x in fp32 (1 MiB); its weight's copy is not saved, since x needs no grad.
+    assert r32.modules.at["Sequential.0", "activations"] == MiB
+    assert r16.modules.at["Sequential.0", "activations"] == MiB // 2
+    assert r16.modules.at["Sequential.1", "activations"] == MiB // 2  # ReLU keeps its bf16 output
+
+
+def test_autocast_policy_dtypes_and_cache():
+    with VirtualCUDA("h100"):
+        w = torch.randn(64, 64, device="cuda", requires_grad=True)
+        x = torch.randn(8, 64, device="cuda")
+        assert x.device.type == "meta"
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert torch.is_autocast_enabled("cuda")
+            y = F.linear(x, w)
+            z = x @ w
+            s = y.softmax(-1)
+            n = F.layer_norm(y, (64,))
+            c = torch.cat([y, x])
+        assert (y.dtype, z.dtype, s.dtype, n.dtype, c.dtype) == (
+            torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.float32,
+        )
+    policy = AutocastPolicy("meta")
+    w = torch.randn(4, 4, device="meta", requires_grad=True)
+    torch.set_autocast_enabled("cuda", True)
+    try:
+        (a,), _ = policy._cast(torch.bfloat16, (w,), {})
+        (b,), _ = policy._cast(torch.bfloat16, (w,), {})
+        assert a is b  # a weight is cast once per region, as autocast's cache does
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+
+
+@pytest.mark.parametrize(
+    "dtype, mask, gqa, cc, expected",
+    [
+        (torch.bfloat16, False, False, (9, 0), "flash"),
+        (torch.float32, False, False, (9, 0), "efficient"),
+        (torch.bfloat16, True, False, (9, 0), "efficient"),
+        (torch.float32, False, True, (9, 0), "math"),
+        (torch.bfloat16, False, False, (7, 0), "math"),  # V100: no bf16 kernels
+        (torch.float16, False, False, (7, 0), "efficient"),
+    ],
+)
+def test_sdpa_backend(dtype, mask, gqa, cc, expected):
+    q = torch.empty(2, 8, 128, 64, dtype=dtype, device="meta")
+    kv = torch.empty(2, 2 if gqa else 8, 128, 64, dtype=dtype, device="meta")
+    m = torch.empty(128, 128, dtype=dtype, device="meta") if mask else None
+    assert sdpa_backend(q, kv, kv, m, cc, enable_gqa=gqa) == expected
+
+
+def test_sdpa_saves_what_the_kernel_saves():
+    """Flash attention keeps q, k, v, the output and a float32 logsumexp, never
+    the (L x L) score matrix the math kernel would."""
+
+    def setup():
+        qkv = torch.randn(4, 16, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        model = nn.Identity()
+
+        def step():
+            out = model(F.scaled_dot_product_attention(qkv, qkv, qkv, is_causal=True))
+            out.float().sum().backward()
+            qkv.grad = None
+
+        return model, torch.optim.SGD([qkv], lr=0.1), step
+
+    r = memprof.simulate(setup, target="h100", steps=1)
+    scores = 4 * 16 * 1024 * 1024 * 2
+    assert r.peak.allocated < scores  # the math kernel alone would hold 128 MiB of scores
+
+
+def test_scripts_see_the_target():
+    with VirtualCUDA("rtx4090"):
+        assert torch.cuda.is_available()
+        assert torch.cuda.get_device_name() == "RTX4090-24GB"
+        assert torch.cuda.get_device_properties(0).total_memory == 24 * 2**30
+        t = torch.ones(3, device="cuda")
+        assert t.sum().item() == 1.0  # values are unknown: .item() answers 1
+        assert not bool(t.any())
+        assert torch.tensor(5.0).item() == 5.0  # real host tensors keep their values
+        assert torch.ones(2).cuda().device.type == "meta"
+    assert torch.cuda.is_available() is False or torch.cuda.get_device_name() != "RTX4090-24GB"
+
+
+def test_foreach_optimizer_and_a_model_built_beforehand():
+    model = mlp().to("meta")  # built by the caller, outside the simulation
+    opt = torch.optim.AdamW(model.parameters())
+    seen = {}
+
+    def step(model, opt):
+        model(torch.randn(8, 512, device="cuda")).sum().backward()
+        opt.step()
+        seen["foreach"] = opt.param_groups[0]["foreach"]
+
+    r = memprof.simulate(lambda: (model, opt), step, target="h100", steps=2)
+    assert seen["foreach"] is True  # as torch.optim defaults to on CUDA tensors
+    assert r.peak.bytes["parameters"] == 2 * MiB
+    assert (r.timeline["temporaries"] >= 0).all()  # the caller's weights were counted as allocated
+
+
+def test_activation_checkpointing_recomputes_under_the_virtual_device():
+    from torch.utils.checkpoint import checkpoint
+
+    calls = []
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(512, 512)
+
+        def forward(self, x):
+            calls.append(x.device.type)
+            return F.scaled_dot_product_attention(*(self.lin(x).unflatten(-1, (8, 64)).transpose(1, 2),) * 3).sum()
+
+    def setup():
+        model = Block().cuda()
+        x = torch.randn(2, 128, 512, device="cuda")
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = checkpoint(model, x, use_reentrant=False)
+            loss.backward()
+            opt.step()
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, opt, step
+
+    memprof.simulate(setup, target="h100", steps=2)
+    assert calls == ["meta"] * 4  # forward and recomputation, twice
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        memprof.simulate(mlp_setup(), steps=0)
+    with pytest.raises(TypeError, match=r"must return \(model, optimizer\)"):
+        memprof.simulate(lambda: 3)
+    with pytest.raises(TypeError, match="no step to simulate"):
+        memprof.simulate(lambda: (mlp(), None))
+    with pytest.raises(ValueError, match="rtx9090"):
+        memprof.simulate(mlp_setup(), target="rtx9090")
+    with VirtualCUDA("h100"):
+        with pytest.raises(RuntimeError, match="already active"):
+            with VirtualCUDA("h100"):
+                pass
