@@ -18,6 +18,7 @@ import math
 import re
 import sys
 from decimal import Decimal, InvalidOperation
+from contextlib import nullcontext
 from typing import Sequence
 
 import pandas as pd
@@ -30,6 +31,8 @@ from .devices import get_gpu, list_gpus
 from .estimate import OFFLOADS, OPTIMIZERS, PRECISIONS, estimate_model_states
 from .report import Report
 from .runner import ScriptError, observe_script
+from .simulate import SimulatedAllocator
+from .virtual_cuda import VirtualCUDA
 from .units import GiB
 
 __all__ = ["main", "parse_count"]
@@ -88,23 +91,34 @@ def _line(console: Console, text: str) -> None:
 
 # -- commands -------------------------------------------------------------------
 def _show(console: Console, report: Report) -> None:
-    gpu = report.meta.get("gpu")
-    _line(console, f"device: {report.device}" + (f" ({gpu})" if gpu else ""))
+    gpu = report.meta.get("gpu") or report.meta.get("target")
+    where = "simulated" if report.source == "simulate" else report.device
+    _line(console, f"device: {where}" + (f" ({gpu})" if gpu else ""))
     console.print(report)
     if report.device.startswith("cpu"):
         _line(console, _CPU_NOTE)
 
 
 def _cmd_track(args: argparse.Namespace, console: Console) -> int:
+    device = nullcontext()
+    if args.target is not None:
+        gpu = get_gpu(args.target)
+        device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu))
+        _line(console, f"memprof: simulating {gpu.name}: the script runs on shapes alone, no kernel runs, "
+              "and values it prints are placeholders")
     try:
-        report = observe_script(
-            args.script, args.script_args, steps=args.steps, warmup=args.warmup, timeout=args.timeout
-        )
+        with device:
+            report = observe_script(
+                args.script, args.script_args, steps=args.steps, warmup=args.warmup, timeout=args.timeout
+            )
     except ScriptError as exc:
         if exc.report is not None:  # what was measured before the failure
             _show(console, exc.report)
             _save(console, exc.report, args.json)
         raise
+    if args.target is not None:
+        report.source = "simulate"
+        report.meta["target"] = gpu.name
     done = report.meta.get("observed_steps", len(report.steps))
     _line(console, f"memprof: observed {done} training step(s) of {args.script} after {args.warmup} warmup step(s)")
     _show(console, report)
@@ -202,7 +216,7 @@ def _parser() -> argparse.ArgumentParser:
         "track", help="run a training script and attribute its memory",
         description="Run SCRIPT as `python SCRIPT SCRIPT_ARGS` would, unmodified, and attribute the memory of "
         "its training steps. Arguments after -- go to the script.",
-        usage="memprof track SCRIPT [--steps N] [--warmup N] [--timeout S] [--json PATH] [-- SCRIPT_ARGS...]",
+        usage="memprof track SCRIPT [--steps N] [--warmup N] [--timeout S] [--json PATH] [--target GPU] [-- SCRIPT_ARGS...]",
     )
     p.add_argument("script", metavar="SCRIPT", help="the training script")
     p.add_argument("--steps", type=_positive_int, default=3, help="training steps to measure (default 3)")
@@ -210,6 +224,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="optimizer steps to run before measuring (default 1, the least: it finds the model)")
     p.add_argument("--timeout", type=_positive_float, default=None, help="give up after this many seconds")
     p.add_argument("--json", metavar="PATH", default=None, help="save the report as JSON")
+    p.add_argument("--target", metavar="GPU", default=None,
+                   help="simulate the steps on this GPU from the catalogue (see memprof gpus) instead of measuring")
     p.set_defaults(func=_cmd_track)
 
     p = sub.add_parser("report", help="render a report saved with --json")

@@ -83,6 +83,24 @@ def test_track_gpt_example_then_report(tmp_path):
     assert "optimizer_state.exp_avg" in r.stdout and "(CausalSelfAttention)" in r.stdout
 
 
+def test_track_simulates_a_catalogue_gpu(tmp_path):
+    out = tmp_path / "sim.json"
+    r = memprof("track", "examples/train_gpt.py", "--steps", "2", "--target", "rtx4090", "--json", out)
+    assert r.returncode == 0, r.stderr
+    assert "simulating RTX4090-24GB" in r.stdout
+    assert "device: simulated (RTX4090-24GB)" in r.stdout
+    assert "on cuda" in r.stdout  # the script took its CUDA path
+    report = Report.load(out)
+    assert report.source == "simulate" and report.meta["target"] == "RTX4090-24GB"
+    # On a (simulated) GPU the parameters occupy 512-byte allocator blocks, so at
+    # least their bytes; AdamW's step counters stay on the host.
+    assert report.peak.bytes["parameters"] >= gpt_parameter_bytes()
+    assert set(report.optimizer_state) == {"exp_avg", "exp_avg_sq"}
+    assert report.peak.bytes["temporaries"] >= 8 * 2**20 + 8 * 16 * 2**10  # cuBLAS workspace before Hopper
+    r = memprof("track", "examples/train_gpt.py", "--target", "rtx9090")
+    assert r.returncode == 2 and "rtx9090" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_examples_run_standalone():
     for script in ("train_gpt.py", "train_mlp.py"):
         r = subprocess.run([sys.executable, ROOT / "examples" / script, "--steps", "3"], capture_output=True,
