@@ -116,6 +116,9 @@ class Tracker:
         self.device = self._resolve_device(model, device)
         self.warmup, self.every = warmup, every
         self._counters = counters_for(self.device)
+        # Steps are timed by the device's clock where it has one (a simulated
+        # GPU's predicted time), else by the host's.
+        self._clock = getattr(self._counters, "clock", time.perf_counter)
         # Allocator blocks are 512-byte multiples on CUDA, real or simulated.
         self._ledger = Ledger(block=512 if self._counters.available else 1)
         root = type(model).__name__
@@ -220,10 +223,10 @@ class Tracker:
         self._counters.reset_peak()
         if self._profiled:
             self._start_profile()
-        self._t0 = time.perf_counter()
+        self._t0 = self._clock()
 
     def _end_step(self) -> None:
-        seconds = time.perf_counter() - self._t0
+        seconds = self._clock() - self._t0
         if self._profiled:
             self._finish_profile()
             peak = self._peaks[-1]
