@@ -84,6 +84,23 @@ class DeepMLP(nn.Module):
         return self.head(self.layers(x))
 
 
+def workload(model: str, device: str = "cuda"):
+    """``model`` at its suite batch size, fp32, AdamW, as a memprof Workload for the advisor."""
+    from memprof.workload import Workload
+
+    torch.manual_seed(0)
+    if model in ("gpt2", "llama"):
+        net, data, batch, _ = _hf(model, *((16, 1024) if model == "gpt2" else (4, 2048)), device)
+        loss_fn = lambda m, d: m(**d).loss  # noqa: E731
+    elif model in ("vit_b_16", "resnet50"):
+        net, data, batch, _ = _vision(model, 128, device)
+        loss_fn = lambda m, d: nn.functional.cross_entropy(m(d["x"]), d["y"])  # noqa: E731
+    else:
+        raise ValueError(f"no advisor workload for {model!r}")
+    net = net.to(device)
+    return Workload(net, torch.optim.AdamW(net.parameters(), lr=1e-4), data(batch), loss_fn)
+
+
 def build(model: str, variant: str, device: str = "cuda") -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
     if model not in MODELS or variant not in VARIANTS:
         raise ValueError(f"unknown workload {model}/{variant}: models {MODELS}, variants {VARIANTS}")

@@ -1,5 +1,26 @@
-"""Memory-saving strategies (mixed precision, checkpointing, accumulation,
-offload, ZeRO), each able to simulate and apply itself. Installed as
-``memprof.strategies``."""
+"""Memory-saving strategies, installed as ``memprof.strategies``.
 
-__all__: list[str] = []
+Each strategy applies itself to a :class:`memprof.workload.Workload` with
+PyTorch's own engines, and can run on memprof's simulated GPU; a plan is a
+list of strategies. See :mod:`memprof.advisor` for choosing one.
+"""
+
+from .accumulation import Accumulation
+from .base import Prediction, Strategy
+from .checkpointing import Checkpointing, find_blocks
+from .mixed_precision import Autocast, PureBF16
+from .offload import ActivationOffload, StateOffload
+from .zero import ZeRO
+
+__all__ = [
+    "Accumulation",
+    "ActivationOffload",
+    "Autocast",
+    "Checkpointing",
+    "Prediction",
+    "PureBF16",
+    "StateOffload",
+    "Strategy",
+    "ZeRO",
+    "find_blocks",
+]

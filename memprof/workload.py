@@ -1,0 +1,91 @@
+"""A training step in parts that memory strategies can change.
+
+``memprof.track`` takes any training loop as it is. To *change* a step
+(autocast it, split its batch, checkpoint its blocks) the advisor needs its
+parts: the model, the optimizer, one batch, and how a loss is computed from
+a batch. ``Workload.step()`` is then the plain loop every strategy adjusts::
+
+    for micro_batch in split(batch, micro_batches):
+        with autocast, saved_tensors_hooks:
+            loss = loss_fn(model, micro_batch) / micro_batches
+        (scaler.scale(loss) if scaler else loss).backward()
+    optimizer.step(); optimizer.zero_grad(set_to_none=True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+__all__ = ["Workload", "split_batch"]
+
+
+def split_batch(batch: Any, parts: int) -> list[Any]:
+    """``batch`` cut into ``parts`` micro-batches along dimension 0 (tensors,
+    and tensors inside tuples, lists and dicts; anything else is shared)."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] % parts:
+            raise ValueError(
+                f"a batch of {batch.shape[0] if batch.dim() else 'no'} samples cannot be split into {parts} equal "
+                f"micro-batches; choose a number of micro-batches that divides the batch size"
+            )
+        return list(batch.chunk(parts))
+    if isinstance(batch, dict):
+        cols = {k: split_batch(v, parts) for k, v in batch.items()}
+        return [type(batch)({k: cols[k][i] for k in batch}) for i in range(parts)]
+    if isinstance(batch, (list, tuple)):
+        cols = [split_batch(v, parts) for v in batch]
+        return [type(batch)(c[i] for c in cols) for i in range(parts)]
+    return [batch] * parts
+
+
+@dataclass
+class Workload:
+    """One training step: ``loss_fn(model, batch)`` then backward and an optimizer step."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: Any
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    #: Set by strategies.
+    autocast_dtype: torch.dtype | None = None
+    scaler: Any = None
+    micro_batches: int = 1
+    saved_tensors_hooks: Callable[[], ContextManager] | None = None
+    #: Strategies applied so far, by name, in order.
+    applied: list[str] = field(default_factory=list)
+
+    def step(self) -> torch.Tensor:
+        """One optimizer step over the whole batch; returns the (last micro-batch's) loss."""
+        parts = split_batch(self.batch, self.micro_batches)
+        device_type = _device_type(self.model)
+        for part in parts:
+            amp = (
+                torch.autocast(device_type, dtype=self.autocast_dtype)
+                if self.autocast_dtype is not None
+                else contextlib.nullcontext()
+            )
+            hooks = self.saved_tensors_hooks() if self.saved_tensors_hooks is not None else contextlib.nullcontext()
+            with amp, hooks:
+                loss = self.loss_fn(self.model, part) / len(parts)
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def _device_type(model: nn.Module) -> str:
+    p = next(model.parameters(), None)
+    t = p.device.type if p is not None else "cpu"
+    # On a simulated GPU the tensors are meta tensors, and autocast is CUDA's.
+    return "cuda" if t == "meta" else t

@@ -1,0 +1,27 @@
+"""Gradient accumulation: k micro-batches, one optimizer step, the same effective batch."""
+
+from __future__ import annotations
+
+from memprof.workload import Workload
+
+from .base import Strategy
+
+__all__ = ["Accumulation"]
+
+
+class Accumulation(Strategy):
+    """Run the batch as ``k`` micro-batches of 1/k each and accumulate gradients.
+
+    Activation memory divides by about k; each micro-batch's loss is divided
+    by k, so the gradients equal the full batch's (up to float rounding).
+    """
+
+    def __init__(self, k: int) -> None:
+        if not isinstance(k, int) or k < 2:
+            raise ValueError(f"micro-batches must be an integer >= 2, got {k!r}")
+        self.k = k
+        self.name = f"accum{k}"
+
+    def apply(self, workload: Workload) -> None:
+        workload.micro_batches *= self.k
+        workload.applied.append(self.name)

@@ -1,0 +1,51 @@
+"""What every memory strategy provides: apply itself, and say what a
+single-process simulation of it cannot show."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from memprof.report import Report
+from memprof.workload import Workload
+
+__all__ = ["Prediction", "Strategy"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted peak device memory and step time of a plan (per rank)."""
+
+    peak_allocated: int
+    peak_reserved: int
+    seconds: float
+    report: Report | None = None
+
+    def minus(self, nbytes: int, seconds: float = 0.0) -> "Prediction":
+        return replace(
+            self,
+            peak_allocated=max(self.peak_allocated - nbytes, 0),
+            peak_reserved=max(self.peak_reserved - nbytes, 0),
+            seconds=self.seconds + seconds,
+        )
+
+
+class Strategy:
+    """A change to a training step that trades memory for time."""
+
+    #: Short name used in plan names, e.g. "bf16", "ckpt", "accum4".
+    name: str = "strategy"
+
+    def apply(self, workload: Workload) -> None:
+        """Change ``workload`` (and its model) in place, with PyTorch's own engines."""
+        raise NotImplementedError
+
+    def apply_simulated(self, workload: Workload) -> None:
+        """Change a workload that runs on the simulated GPU; by default as for real."""
+        self.apply(workload)
+
+    def adjust(self, prediction: Prediction, baseline: Report, gpu) -> Prediction:
+        """Account for what the single-process simulation does not run (sharding, host offload)."""
+        return prediction
+
+    def __repr__(self) -> str:
+        return self.name

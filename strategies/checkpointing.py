@@ -1,0 +1,84 @@
+"""Activation checkpointing of the model's repeated blocks (torch.utils.checkpoint)."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+import torch
+
+from memprof.workload import Workload
+
+from .base import Strategy
+
+__all__ = ["Checkpointing", "find_blocks"]
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks: children of ModuleLists/Sequentials whose
+    children share one class (transformer layers, ResNet bottlenecks), of the
+    class with the most such instances."""
+    candidates: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            kinds = {type(c) for c in module}
+            if len(kinds) == 1 and not isinstance(module[0], (nn.ModuleList, nn.Sequential)) and any(
+                True for _ in module[0].parameters()
+            ):
+                prefix = f"{name}." if name else ""
+                candidates += [(f"{prefix}{i}", c) for i, c in module.named_children()]
+    if not candidates:
+        return []
+    top, _ = Counter(type(m) for _, m in candidates).most_common(1)[0]
+    return [(n, m) for n, m in candidates if type(m) is top]
+
+
+# Selective checkpointing keeps the outputs of the expensive ops (matmuls,
+# attention) and recomputes the cheap elementwise ones (Korthikanti et al.
+# 2022, "selective activation recomputation").
+_KEEP = [
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+]
+
+
+class Checkpointing(Strategy):
+    """Recompute each block's forward in backward instead of keeping its activations.
+
+    ``blocks``: qualified module names, or None to find the repeated blocks
+    (:func:`find_blocks`). ``selective``: keep matmul and attention outputs.
+    Non-reentrant ``torch.utils.checkpoint``; module names and hooks stay as
+    they were (the block's ``forward`` is wrapped on the instance).
+    """
+
+    def __init__(self, blocks: list[str] | None = None, selective: bool = False) -> None:
+        self.blocks = blocks
+        self.selective = selective
+        self.name = "sel_ckpt" if selective else "ckpt"
+        self.wrapped: list[str] = []
+
+    def apply(self, workload: Workload) -> None:
+        model = workload.model
+        if self.blocks is None:
+            found = find_blocks(model)
+        else:
+            named = dict(model.named_modules())
+            missing = [b for b in self.blocks if b not in named]
+            if missing:
+                raise ValueError(f"no module named {missing} in the model; give qualified names from model.named_modules()")
+            found = [(b, named[b]) for b in self.blocks]
+        if not found:
+            raise ValueError("found no repeated blocks to checkpoint; pass blocks=[...] with module names")
+        kwargs = {"use_reentrant": False}
+        if self.selective:
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _KEEP)
+        for _, block in found:
+            block.forward = functools.partial(checkpoint, block.forward, **kwargs)
+        self.wrapped = [n for n, _ in found]
+        workload.applied.append(self.name)
