@@ -1,5 +1,6 @@
 """memprof: where training memory goes, and what to change so it fits."""
 
+from .advisor import Advice, advise, max_batch_size, verify
 from .categories import Category
 from .devices import CATALOGUE, GPU, get_gpu
 from .estimate import ModelStates, estimate_model_states
@@ -9,6 +10,10 @@ from .simulate import simulate
 from .tracker import Tracker, track
 
 __all__ = [
+    "Advice",
+    "advise",
+    "max_batch_size",
+    "verify",
     "CATALOGUE",
     "GPU",
     "Breakdown",
