@@ -31,7 +31,7 @@ from .units import GiB, fmt_bytes
 from .virtual_cuda import VirtualCUDA
 from .workload import Workload
 
-__all__ = ["Advice", "advise", "default_plans", "max_batch_size", "parse_budget", "simulate_plan", "verify"]
+__all__ = ["Advice", "advise", "default_plans", "max_batch_size", "parse_budget", "rank", "simulate_plan", "verify"]
 
 log = logging.getLogger(__name__)
 
@@ -216,22 +216,30 @@ def advise(
             advance(name)
     if base_pred is None:
         raise RuntimeError("the baseline step could not be simulated; see the warnings above")
+    table = rank(rows, base_pred, baseline, nbytes, margin)
+    return Advice(nbytes, gpu, world_size, table, baseline, plans)
+
+
+def rank(rows: list, base, baseline: Report, budget: int, margin: float) -> pd.DataFrame:
+    """Plans as a table, best first: those that fit by predicted step time, then the rest by size.
+
+    ``rows``: ``(name, Prediction)`` pairs; ``base``: the baseline's Prediction.
+    """
     table = pd.DataFrame(
         [
             {
                 "plan": name,
                 "peak_allocated": p.peak_allocated,
                 "peak_reserved": p.peak_reserved,
-                "fits": p.peak_reserved * (1 + margin) <= nbytes,
+                "fits": p.peak_reserved * (1 + margin) <= budget,
                 "seconds": p.seconds,
-                "slowdown": p.seconds / base_pred.seconds if base_pred.seconds else float("nan"),
-                "why": _why(name, p, base_pred, baseline),
+                "slowdown": p.seconds / base.seconds if base.seconds else float("nan"),
+                "why": _why(name, p, base, baseline),
             }
             for name, p in rows
         ]
     ).set_index("plan")
-    table = pd.concat([table[table["fits"]].sort_values("seconds"), table[~table["fits"]].sort_values("peak_reserved")])
-    return Advice(nbytes, gpu, world_size, table, baseline, plans)
+    return pd.concat([table[table["fits"]].sort_values("seconds"), table[~table["fits"]].sort_values("peak_reserved")])
 
 
 def _why(name: str, p, base, baseline: Report) -> str:

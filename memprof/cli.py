@@ -22,6 +22,7 @@ from contextlib import nullcontext
 from typing import Sequence
 
 import pandas as pd
+import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -126,6 +127,54 @@ def _cmd_track(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
+    from .script_advice import advise_script, verify_script
+
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    simulate = args.target is not None or not torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        _line(console, "memprof: no GPU here: every plan is simulated on the budget's GPU (default RTX4090-24GB)")
+    advice = advise_script(
+        args.script, args.script_args, budget=args.budget, target=args.target, world_size=args.world_size,
+        steps=args.steps, timeout=args.timeout, progress=console.is_terminal,
+    )
+    _show(console, advice.baseline)
+    shown = advice.table.head(args.top) if args.top else advice.table
+    console.print(type(advice)(**{**advice.__dict__, "table": shown}))
+    best = advice.best
+    if best is None:
+        _line(console, f"memprof: no plan fits {_gib(advice.budget)} per rank; more ranks (--world-size) or a larger GPU would")
+    else:
+        row = advice.table.loc[best]
+        _line(console, f"memprof: recommended: {best}: peak {_gib(row['peak_reserved'])} reserved, "
+              f"step time {100 * (row['slowdown'] - 1):+.0f} % vs now" + (" (simulated)" if simulate else ""))
+        for change in advice.code_change():
+            _line(console, f"  - {change}")
+    if args.verify:
+        if not torch.cuda.is_available():
+            raise ValueError("--verify measures the plans on a GPU, and this machine has none")
+        verified = verify_script(advice, args.script_args)
+        console.print(verified.to_string())
+    if args.json:
+        import json
+
+        path = args.json
+        try:
+            with open(path, "w") as f:
+                json.dump(advice.to_dict(), f, indent=1, default=_plain)
+        except OSError as exc:
+            raise OSError(f"cannot write {path!r}: {exc.strerror or exc}; pick a writable path") from None
+        _line(console, f"advice saved to {path}")
+    return 0
+
+
+def _plain(o):
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"cannot serialise {type(o).__name__}")
+
+
 def _save(console: Console, report: Report, path: str | None) -> None:
     if path is not None:
         try:
@@ -228,6 +277,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="simulate the steps on this GPU from the catalogue (see memprof gpus) instead of measuring")
     p.set_defaults(func=_cmd_track)
 
+    p = sub.add_parser(
+        "advise", help="rank memory plans for a training script under a budget",
+        description="Observe SCRIPT (run as `python SCRIPT SCRIPT_ARGS`), then simulate each plan (mixed precision, "
+        "checkpointing, accumulation, offload, ZeRO) on it and rank those that fit BUDGET by predicted step time.",
+        usage="memprof advise SCRIPT [--budget B] [--world-size N] [--steps N] [--target GPU] [--verify] [--json PATH] "
+        "[--top K] [-- SCRIPT_ARGS...]",
+    )
+    p.add_argument("script", metavar="SCRIPT")
+    p.add_argument("--budget", default="RTX4090-24GB",
+                   help="memory per rank: 24GiB, 80GB, or a GPU name (see memprof gpus); default rtx4090")
+    p.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks for ZeRO plans (default 1)")
+    p.add_argument("--steps", type=_positive_int, default=2, help="training steps to observe per plan (default 2)")
+    p.add_argument("--target", metavar="GPU", default=None, help="simulate this GPU even when one is present")
+    p.add_argument("--verify", action="store_true", help="run the top plans for real on this GPU and measure them")
+    p.add_argument("--json", metavar="PATH", default=None, help="save the advice as JSON (schema: docs/advise-json.md)")
+    p.add_argument("--top", type=_positive_int, default=None, metavar="K", help="show only the K best plans")
+    p.add_argument("--timeout", type=_positive_float, default=None, help="give up on a run after this many seconds")
+    p.set_defaults(func=_cmd_advise)
+
     p = sub.add_parser("report", help="render a report saved with --json")
     p.add_argument("file", metavar="FILE.json")
     p.set_defaults(func=_cmd_report)
@@ -265,10 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         extra = " ".join(unknown)
-        hint = f"; pass the script's own arguments after --, e.g. -- {extra}" if args.command == "track" else ""
+        hint = f"; pass the script's own arguments after --, e.g. -- {extra}" if args.command in ("track", "advise") else ""
         parser.error(f"unrecognized arguments: {extra}{hint}")
-    if script_args and args.command != "track":
-        parser.error(f"arguments after -- go to a script, and only `memprof track` runs one: {' '.join(script_args)}")
+    if script_args and args.command not in ("track", "advise"):
+        parser.error(f"arguments after -- go to a script, and only `memprof track` and `memprof advise` run one: {' '.join(script_args)}")
     args.script_args = script_args
 
     # Library code logs; show memprof's messages on stderr while the command runs.

@@ -33,7 +33,7 @@ import traceback
 import weakref
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -73,8 +73,9 @@ class _Stop(BaseException):
 class _Observer:
     """The hooks that find the model and optimizer, start tracking and stop the script."""
 
-    def __init__(self, steps: int, warmup: int, timeout: float | None) -> None:
+    def __init__(self, steps: int, warmup: int, timeout: float | None, on_model=None) -> None:
         self.steps, self.warmup = steps, warmup
+        self.on_model = on_model
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.optimizer_steps = 0  # optimizer steps seen before tracking began
         self.tracker: Tracker | None = None
@@ -149,6 +150,8 @@ class _Observer:
         model, opt = self._pending
         self._pending = None
         try:
+            if self.on_model is not None:  # e.g. the advisor applying a plan to the script's model
+                self.on_model(model, opt)
             tracker = track(model, opt, warmup=self.steps, every=1)
             tracker.__enter__()
         except Exception as exc:  # e.g. the script already runs memprof.track itself
@@ -230,8 +233,12 @@ def observe_script(
     steps: int = 3,
     warmup: int = 1,
     timeout: float | None = None,
+    on_model: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None,
 ) -> Report:
     """Run a training script as ``python path *args`` would, and measure ``steps`` training steps.
+
+    ``on_model(model, optimizer)``, if given, is called once they are found,
+    before the tracked steps (the advisor applies a plan there).
 
     ``warmup`` optimizer steps run untracked first (at least 1: the first step
     is how the model and optimizer are found; Adam creates its state there),
@@ -252,7 +259,7 @@ def observe_script(
         raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
     script = _load(path)
 
-    observer = _Observer(steps, warmup, timeout)
+    observer = _Observer(steps, warmup, timeout, on_model)
     saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
     outcome: BaseException | None = None
     try:
