@@ -1,0 +1,239 @@
+"""The advisor on the CPU: budgets, plans, ranking on the simulated GPU, max batch size."""
+
+import logging
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from memprof.advisor import Advice, advise, default_plans, max_batch_size, parse_budget, simulate_plan, verify
+from memprof.devices import CATALOGUE, get_gpu
+from memprof.simulate import NON_PYTORCH_BYTES
+from memprof.strategies import Autocast, Checkpointing, ZeRO
+from memprof.workload import Workload
+from models import MiB, mlp
+
+H100 = get_gpu("h100")
+
+
+class FF(nn.Module):
+    """Residual feed-forward block 256 -> 1024 -> 256 (2 MiB of fp32 weights):
+    a repeated block for checkpointing, large activations for a big batch."""
+
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d, bias=False)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+def ff_workload(batch: int = 4096):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[FF() for _ in range(4)]).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(batch, 256, device="cuda")
+    return Workload(model, opt, x, lambda m, x: m(x).square().mean())
+
+
+# -- parse_budget -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("24GiB", 24 * 2**30),
+        ("24 gib", 24 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("1.5GiB", 3 * 2**29),
+        ("512MiB", 512 * 2**20),
+        ("25769803776", 25769803776),
+        (25769803776, 25769803776),
+    ],
+)
+def test_parse_budget_sizes(text, expected):
+    assert parse_budget(text) == (expected, None)
+
+
+def test_parse_budget_gpu_name():
+    nbytes, gpu = parse_budget("rtx4090")
+    assert gpu is CATALOGUE["RTX4090-24GB"]
+    # 24 GiB of memory less what CUDA's context and libraries keep outside PyTorch.
+    assert nbytes == 24 * 2**30 - NON_PYTORCH_BYTES == 24 * 2**30 - 1_450_000_000
+    assert parse_budget(H100) == (80 * 2**30 - NON_PYTORCH_BYTES, H100)
+
+
+@pytest.mark.parametrize("bad", ["lots", "24 parsecs", "rtx9090", "GiB"])
+def test_parse_budget_bad_string_lists_gpus(bad):
+    with pytest.raises(ValueError) as err:
+        parse_budget(bad)
+    msg = str(err.value)
+    assert repr(bad) in msg and "neither a size (e.g. 24GiB, 80GB) nor a GPU" in msg
+    assert all(name in msg for name in CATALOGUE)  # every valid GPU name is offered
+
+
+@pytest.mark.parametrize("bad", [0, -5, "0GB", "0"])
+def test_parse_budget_not_positive(bad):
+    with pytest.raises(ValueError, match="budget must be positive"):
+        parse_budget(bad)
+
+
+# -- default_plans --------------------------------------------------------------------
+def test_default_plans_single_gpu():
+    plans = default_plans()
+    assert list(plans)[0] == "baseline" and plans["baseline"]() == []
+    assert not any("pure_bf16" in name or "zero" in name for name in plans)
+    # 2 precisions x (ckpt or not) x 4 accumulations, less the empty plan,
+    # 2 precisions x 2 offloads, and the baseline.
+    assert len(plans) == 2 * 2 * 4 - 1 + 2 * 2 + 1 == 20
+    for name in ("bf16", "ckpt", "accum8", "bf16+ckpt+accum4", "offload_act", "bf16+offload_states"):
+        assert name in plans
+    # Each name is what its strategies are called, and each call makes fresh ones.
+    for name, factory in plans.items():
+        first, second = factory(), factory()
+        assert "+".join(s.name for s in first) == name or (name == "baseline" and first == [])
+        assert all(a is not b for a, b in zip(first, second))
+
+
+def test_default_plans_pure_bf16_when_asked():
+    plans = default_plans(pure_bf16=True)
+    assert {"pure_bf16", "pure_bf16+ckpt", "pure_bf16+ckpt+accum8"} <= set(plans)
+    assert len(plans) == 20 + 8  # 2 x 4 pure bf16 plans more
+
+
+def test_default_plans_world_size_adds_zero():
+    plans = default_plans(world_size=4)
+    zero = [n for n in plans if "zero" in n]
+    assert {"zero1x4", "zero2x4", "zero3x4"} <= set(zero)
+    # Each stage alone, with bf16, and with bf16 and checkpointing.
+    assert len(zero) == 9 and "bf16+ckpt+zero3x4" in zero
+    s = plans["zero2x4"]()
+    assert len(s) == 1 and isinstance(s[0], ZeRO) and (s[0].stage, s[0].world_size) == (2, 4)
+    assert [type(x) for x in plans["bf16+ckpt+zero1x4"]()] == [Autocast, Checkpointing, ZeRO]
+
+
+# -- advise -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def predictions():
+    base = simulate_plan(ff_workload, list, H100)
+    bf16_ckpt = simulate_plan(ff_workload, lambda: [Autocast("bf16"), Checkpointing()], H100, baseline=base.report)
+    return base, bf16_ckpt
+
+
+@pytest.fixture(scope="module")
+def advice(predictions):
+    base, bf16_ckpt = predictions
+    # The budget is bf16+ckpt's predicted peak reserved, exactly: with no
+    # margin it fits (the bound is inclusive), and the baseline does not.
+    assert bf16_ckpt.peak_reserved < base.peak_reserved
+    return advise(ff_workload, bf16_ckpt.peak_reserved, target="h100", margin=0.0, progress=False)
+
+
+def test_advise_ranks_fastest_fitting_first(advice, predictions):
+    base, bf16_ckpt = predictions
+    t = advice.table
+    assert list(t.columns) == ["peak_allocated", "peak_reserved", "fits", "seconds", "slowdown", "why"]
+    assert t.index.name == "plan" and set(t.index) == set(default_plans())
+    assert advice.budget == bf16_ckpt.peak_reserved and advice.gpu is H100 and advice.world_size == 1
+    # A plan fits when its predicted peak reserved is within the budget (margin 0).
+    assert (t["fits"] == (t["peak_reserved"] <= advice.budget)).all()
+    assert t.loc["bf16+ckpt", "fits"] and not t.loc["baseline", "fits"]
+    # Fitting plans first, fastest first; then those that do not fit, smallest first.
+    fitting = t[t["fits"]]
+    assert t["fits"].tolist() == sorted(t["fits"].tolist(), reverse=True)
+    assert fitting["seconds"].is_monotonic_increasing
+    assert t[~t["fits"]]["peak_reserved"].is_monotonic_increasing
+    assert t.index[0] == fitting["seconds"].idxmin() == advice.best
+    # The rows are the plans' predictions, the baseline's among them.
+    assert t.loc["baseline", "peak_reserved"] == base.peak_reserved
+    assert t.loc["baseline", "peak_allocated"] == base.peak_allocated
+    assert t.loc["baseline", "slowdown"] == 1.0
+    assert t.loc["bf16+ckpt", "peak_reserved"] == bf16_ckpt.peak_reserved
+    assert t.loc["bf16+ckpt", "seconds"] == pytest.approx(bf16_ckpt.seconds, rel=1e-12)
+    assert t.loc["bf16+ckpt", "slowdown"] == pytest.approx(bf16_ckpt.seconds / base.seconds, rel=1e-12)
+    assert advice.baseline.meta["plan"] == "baseline"
+
+
+def test_advise_best_prediction_reproduces(advice):
+    best = advice.best
+    pred = simulate_plan(ff_workload, advice.plans[best], H100, baseline=advice.baseline)
+    assert pred.peak_reserved == advice.table.loc[best, "peak_reserved"] <= advice.budget
+    assert pred.peak_allocated == advice.table.loc[best, "peak_allocated"]
+
+
+def test_advise_margin_is_applied(predictions):
+    base, bf16_ckpt = predictions
+    plans = {n: f for n, f in default_plans().items() if n in ("baseline", "bf16+ckpt")}
+    # With 5 % margin the same budget no longer holds bf16+ckpt: nothing fits.
+    a = advise(ff_workload, bf16_ckpt.peak_reserved, target="h100", margin=0.05, plans=plans, progress=False)
+    assert not a.table["fits"].any() and a.best is None
+    # 5 % above its peak reserved it fits again.
+    b = advise(ff_workload, int(bf16_ckpt.peak_reserved * 1.05) + 1, target="h100", plans=plans, progress=False)
+    assert b.best == "bf16+ckpt" and b.table.index.tolist() == ["bf16+ckpt", "baseline"]
+
+
+def test_advise_renders_with_rich(advice):
+    console = Console(record=True, width=250)
+    console.print(advice)
+    text = console.export_text()
+    assert "fastest that fits first" in text and "H100-80GB" in text
+    for col in ("plan", "peak allocated", "peak reserved", "fits", "step time", "vs baseline", "why"):
+        assert col in text
+    lines = {line.split("│")[1].strip(): line for line in text.splitlines() if line.count("│") > 2}
+    assert set(lines) == set(advice.table.index)
+    assert "│ yes" in lines[advice.best] and "│ no" in lines["baseline"]
+    assert "+0 %" in lines["baseline"]
+
+
+def test_advise_skips_plans_that_cannot_run(caplog):
+    def make():
+        model = mlp().cuda()  # Linear, ReLU, Linear: no repeated blocks to checkpoint
+        return Workload(model, torch.optim.AdamW(model.parameters()), torch.randn(64, 512, device="cuda"), lambda m, x: m(x).sum())
+
+    plans = {"baseline": list, "ckpt": lambda: [Checkpointing()], "bf16": lambda: [Autocast("bf16")]}
+    with caplog.at_level(logging.WARNING, logger="memprof.advisor"):
+        a = advise(make, "1GiB", plans=plans, progress=False)
+    assert set(a.table.index) == {"baseline", "bf16"}
+    assert a.gpu.name == "H100-80GB"  # no GPU named: an H100
+    assert any("plan ckpt could not be simulated" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("kw, match", [({"world_size": 0}, "world size"), ({"margin": 1.0}, "margin"), ({"margin": -0.1}, "margin")])
+def test_advise_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        advise(ff_workload, "1GiB", progress=False, **kw)
+
+
+# -- max_batch_size ----------------------------------------------------------------------
+def _fits(b: int, budget: int, margin: float = 0.05) -> bool:
+    p = simulate_plan(lambda: ff_workload(b), list, H100)
+    return p.peak_reserved * (1 + margin) <= budget
+
+
+def test_max_batch_size_is_the_largest_that_fits():
+    budget = 160 * MiB
+    b = max_batch_size(ff_workload, budget, target="h100")
+    # The batch-4096 baseline reserves 206 MiB and a batch of 1 about 50 MiB
+    # (weights, AdamW state and the 32 MiB cuBLAS workspace).
+    assert 1 < b < 4096
+    assert _fits(b, budget) and not _fits(b + 1, budget)
+
+
+def test_max_batch_size_too_small_and_limit():
+    # 8 MiB of weights and 16 MiB of AdamW state alone take more than 20 MiB.
+    assert max_batch_size(ff_workload, 20 * MiB, target="h100") == 0
+    # A budget every batch up to the limit fits: the limit.
+    assert max_batch_size(ff_workload, "1GiB", target="h100", limit=100) == 100
+    assert max_batch_size(ff_workload, "1GiB", target="h100", limit=64) == 64
+
+
+# -- verify ------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
+def test_verify_without_cuda_raises(advice):
+    with pytest.raises(RuntimeError, match=r"verify\(\) measures on a CUDA GPU and none is available"):
+        verify(ff_workload, advice)
+
+
+def test_advice_is_an_advice(advice):
+    assert isinstance(advice, Advice) and advice.plans.keys() == default_plans().keys()
