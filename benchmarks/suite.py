@@ -84,41 +84,37 @@ class DeepMLP(nn.Module):
         return self.head(self.layers(x))
 
 
+def _parts(model: str, device: str):
+    """(module, data(batch_size) -> batch, batch size, repeated blocks or None, loss_of(module, batch))."""
+    if model in ("gpt2", "llama"):
+        net, data, batch, blocks = _hf(model, *((16, 1024) if model == "gpt2" else (4, 2048)), device)
+        return net, data, batch, blocks, lambda m, d: m(**d).loss
+    if model in ("vit_b_16", "resnet50"):
+        net, data, batch, blocks = _vision(model, 128, device)
+    else:
+        net, batch, blocks = DeepMLP(), 64, (lambda m: m.layers)
+
+        def data(b):
+            return dict(x=torch.randn(b, 4096, device=device), y=torch.randint(0, 10, (b,), device=device))
+
+    return net, data, batch, blocks, lambda m, d: nn.functional.cross_entropy(m(d["x"]), d["y"])
+
+
 def workload(model: str, device: str = "cuda"):
     """``model`` at its suite batch size, fp32, AdamW, as a memprof Workload for the advisor."""
     from memprof.workload import Workload
 
     torch.manual_seed(0)
-    if model in ("gpt2", "llama"):
-        net, data, batch, _ = _hf(model, *((16, 1024) if model == "gpt2" else (4, 2048)), device)
-        loss_fn = lambda m, d: m(**d).loss  # noqa: E731
-    elif model in ("vit_b_16", "resnet50"):
-        net, data, batch, _ = _vision(model, 128, device)
-        loss_fn = lambda m, d: nn.functional.cross_entropy(m(d["x"]), d["y"])  # noqa: E731
-    else:
-        raise ValueError(f"no advisor workload for {model!r}")
+    net, data, batch, _, loss_of = _parts(model, device)
     net = net.to(device)
-    return Workload(net, torch.optim.AdamW(net.parameters(), lr=1e-4), data(batch), loss_fn)
+    return Workload(net, torch.optim.AdamW(net.parameters(), lr=1e-4), data(batch), loss_of)
 
 
 def build(model: str, variant: str, device: str = "cuda") -> tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]:
     if model not in MODELS or variant not in VARIANTS:
         raise ValueError(f"unknown workload {model}/{variant}: models {MODELS}, variants {VARIANTS}")
     torch.manual_seed(0)
-    if model in ("gpt2", "llama"):
-        net, data, batch, blocks = _hf(model, *((16, 1024) if model == "gpt2" else (4, 2048)), device)
-        loss_of = lambda m, d: m(**d).loss  # noqa: E731
-    elif model in ("vit_b_16", "resnet50"):
-        net, data, batch, blocks = _vision(model, 128, device)
-        loss_of = lambda m, d: nn.functional.cross_entropy(m(d["x"]), d["y"])  # noqa: E731
-    else:
-        net = DeepMLP()
-        batch, blocks = 64, (lambda m: m.layers)
-
-        def data(b):
-            return dict(x=torch.randn(b, 4096, device=device), y=torch.randint(0, 10, (b,), device=device))
-
-        loss_of = lambda m, d: nn.functional.cross_entropy(m(d["x"]), d["y"])  # noqa: E731
+    net, data, batch, blocks, loss_of = _parts(model, device)
     if variant == "ckpt":
         if blocks is None:  # ResNet: checkpoint each residual block of the four stages
             for stage in (net.layer1, net.layer2, net.layer3, net.layer4):
