@@ -27,7 +27,7 @@ from .devices import GPU, get_gpu
 from .report import Report
 from .simulate import NON_PYTORCH_BYTES, SimulatedAllocator, _state_tensors
 from .tracker import track
-from .units import GiB, fmt_bytes
+from .units import fmt_bytes
 from .virtual_cuda import VirtualCUDA
 from .workload import Workload
 
@@ -54,7 +54,7 @@ def parse_budget(budget: int | str | GPU) -> tuple[int, GPU | None]:
             raise ValueError(f"budget must be positive, got {budget}")
         return budget, None
     text = str(budget).strip()
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?i?[bB])?", text)
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmgt]?i?b)?", text, flags=re.IGNORECASE)
     if m:
         unit = (m.group(2) or "b").lower()
         value = int(float(m.group(1)) * _UNITS[unit])
@@ -199,6 +199,8 @@ def advise(
     nbytes, named = parse_budget(budget)
     gpu = get_gpu(target) if target is not None else (named or get_gpu("H100-80GB"))
     plans = plans or default_plans(world_size)
+    if "baseline" not in plans:  # every plan is judged against the step as it is
+        plans = {"baseline": list, **plans}
     rows = []
     baseline: Report | None = None
     base_pred = None
@@ -285,26 +287,35 @@ def max_batch_size(
 ) -> int:
     """The largest batch size whose plan fits ``budget``, by simulation (no OOM provoked).
 
-    ``make_workload(batch_size)`` builds the workload for a batch size. Returns
-    0 when even a batch of 1 does not fit.
+    ``make_workload(batch_size)`` builds the workload for a batch size. With
+    ``Accumulation(k)`` in the plan only multiples of k are tried. Returns 0
+    when even the smallest batch does not fit.
     """
+    from memprof.strategies import Accumulation
+
     nbytes, named = parse_budget(budget)
     gpu = get_gpu(target) if target is not None else (named or get_gpu("H100-80GB"))
+    # Micro-batches split the batch evenly: search multiples of their number.
+    unit = 1
+    for s in plan():
+        if isinstance(s, Accumulation):
+            unit *= s.k
 
-    def fits(b: int) -> bool:
-        p = simulate_plan(lambda: make_workload(b), plan, gpu)
+    def fits(n: int) -> bool:  # n units of batch
+        p = simulate_plan(lambda: make_workload(n * unit), plan, gpu)
         return p.peak_reserved * (1 + margin) <= nbytes
 
-    if not fits(1):
+    top = limit // unit
+    if top < 1 or not fits(1):
         return 0
     lo, hi = 1, 2
-    while hi <= limit and fits(hi):
+    while hi <= top and fits(hi):
         lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
+    hi = min(hi, top + 1)
     while hi - lo > 1:  # lo fits, hi does not
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return lo * unit
 
 
 def verify(

@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from .categories import ALLOCATED, OUTSIDE_ALLOCATED, Category
-from .units import GiB, fmt_bytes
+from .units import GiB
 
 __all__ = ["Breakdown", "Report", "compare", "MODULE_COLUMNS", "STEP_COLUMNS"]
 

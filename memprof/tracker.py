@@ -247,7 +247,6 @@ class Tracker:
         self._phase = "other"
         self._rows: list[tuple] = []
         self._timeline.append(self._rows)
-        self._saved_by: dict[str, int] = defaultdict(int)
         self._saved_seen: set = set()
         self._activations: dict[str, int] = defaultdict(int)
         self._fwd_delta: dict[str, int] = defaultdict(int)
@@ -303,7 +302,7 @@ class Tracker:
 
     def _refresh_state(self) -> None:
         """Record parameters, buffers, gradients and optimizer state that exist now."""
-        led, root, dev = self._ledger, self._root_name, self.device
+        led, root = self._ledger, self._root_name
         model = self._model()
         for name, p in model.named_parameters():
             if self._on_device(p):
@@ -315,7 +314,6 @@ class Tracker:
                 led.add(b.untyped_storage(), Category.BUFFERS, _owner(root, name), name)
         for opt in list(self._optimizers.keys()):
             self._record_optimizer_state(opt)
-        del dev
 
     def _record_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
         led = self._ledger

@@ -54,7 +54,9 @@ class Checkpointing(Strategy):
     ``blocks``: qualified module names, or None to find the repeated blocks
     (:func:`find_blocks`). ``selective``: keep matmul and attention outputs.
     Non-reentrant ``torch.utils.checkpoint``; module names and hooks stay as
-    they were (the block's ``forward`` is wrapped on the instance).
+    they were (the block's ``forward`` is wrapped on the instance). As with
+    any use of ``torch.utils.checkpoint``, a BatchNorm inside a block updates
+    its running statistics again when the block is recomputed.
     """
 
     def __init__(self, blocks: list[str] | None = None, selective: bool = False) -> None:

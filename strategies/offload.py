@@ -22,14 +22,22 @@ _HOST_BANDWIDTH = 20e9
 
 
 def largest_block_bytes(model) -> int:
-    """Parameter bytes of the largest repeated block: what FSDP holds unsharded at once."""
-    blocks = find_blocks(model) or [("", model)]
-    return max(sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in blocks)
+    """Parameter bytes of the largest repeated block, what FSDP holds unsharded
+    at once; 0 when the model has no repeated blocks (it is then one unit)."""
+    blocks = find_blocks(model)
+    return max((sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in blocks), default=0)
 
 
-def _block(baseline: Report) -> int:
-    # The advisor records it when it simulates the baseline.
-    return int(baseline.meta.get("largest_block_bytes", 0))
+def _unit(baseline: Report) -> tuple[int, bool]:
+    """(bytes of the largest unit FSDP gathers at once, whether there are several units).
+
+    The advisor records the largest block when it simulates the baseline;
+    without repeated blocks the whole model is the one unit.
+    """
+    block = int(baseline.meta.get("largest_block_bytes", 0))
+    if block:
+        return block, True
+    return int(baseline.modules["parameters"].sum()), False
 
 
 class ActivationOffload(Strategy):
@@ -106,10 +114,10 @@ class StateOffload(Strategy):
     def adjust(self, prediction: Prediction, baseline: Report, gpu) -> Prediction:
         peak = prediction.report.peak if prediction.report is not None else baseline.peak
         states = sum(peak.bytes.get(c.value, 0) for c in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE))
-        block = _block(baseline)
+        block, several = _unit(baseline)
         params = int(baseline.modules["parameters"].sum())
-        # Device keeps one gathered block and the next (prefetch), plus one block's gradients.
-        saved = states - 3 * block
+        # Device keeps one gathered unit and, with several, the next (prefetch), plus one unit's gradients.
+        saved = states - (3 if several else 2) * block
         moved = 3 * params  # parameters in for forward and for backward, gradients out
         seconds = moved / gpu.pcie_bandwidth + params / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_BANDWIDTH
         return prediction.minus(max(saved, 0), seconds)

@@ -19,7 +19,7 @@ from memprof.workload import Workload
 
 from .base import Prediction, Strategy
 from .checkpointing import find_blocks
-from .offload import _block
+from .offload import _unit
 
 __all__ = ["ZeRO"]
 
@@ -68,12 +68,12 @@ class ZeRO(Strategy):
         n = self.world_size
         peak = prediction.report.peak if prediction.report is not None else baseline.peak
         removed = sum(peak.bytes.get(c.value, 0) - -(-peak.bytes.get(c.value, 0) // n) for c in self.sharded())
-        block = _block(baseline)
+        block, several = _unit(baseline)
         added = 0
         if self.stage >= 2 and n > 1:
-            added += block  # one block's gradients before their reduce-scatter
+            added += block  # one unit's gradients before their reduce-scatter
         if self.stage == 3 and n > 1:
-            added += 2 * block  # the gathered block and the prefetched next one
+            added += (2 if several else 1) * block  # the gathered unit, and the prefetched next one if any
         params = int(baseline.modules["parameters"].sum())
         volume = (3 if self.stage == 3 else 2) * params * (n - 1) / n
         link = gpu.nvlink_bandwidth or gpu.pcie_bandwidth

@@ -237,3 +237,23 @@ def test_verify_without_cuda_raises(advice):
 
 def test_advice_is_an_advice(advice):
     assert isinstance(advice, Advice) and advice.plans.keys() == default_plans().keys()
+
+
+def test_max_batch_size_with_micro_batches_tries_multiples():
+    from memprof.strategies import Accumulation
+
+    budget = 160 * MiB
+    b = max_batch_size(ff_workload, budget, lambda: [Accumulation(4)], target="h100")
+    assert b > 0 and b % 4 == 0
+
+    def fits(n):
+        p = simulate_plan(lambda: ff_workload(n), lambda: [Accumulation(4)], H100)
+        return p.peak_reserved * 1.05 <= budget
+
+    assert fits(b) and not fits(b + 4)
+
+
+def test_parse_budget_any_case_and_baseline_added():
+    assert parse_budget("24GIB")[0] == 24 * 2**30
+    a = advise(ff_workload, "1GiB", plans={"bf16": lambda: [Autocast("bf16")]}, target="h100", progress=False)
+    assert set(a.table.index) == {"baseline", "bf16"}

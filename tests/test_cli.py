@@ -194,7 +194,7 @@ def test_bad_input_is_one_line_and_status_2(argv, message, capsys):
         (["track", "train.py", "--lr", "3"],
          "unrecognized arguments: --lr 3; pass the script's own arguments after --"),
         (["track", "train.py", "--steps", "0"], "argument --steps: '0' is not an integer >= 1"),
-        (["gpus", "--", "x"], "only `memprof track` runs one"),
+        (["gpus", "--", "x"], "only `memprof track` and `memprof advise` run one"),
         ([], "required: COMMAND"),
     ],
 )

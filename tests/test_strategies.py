@@ -524,3 +524,16 @@ def test_sharding_without_process_group_raises(strategy):
     with pytest.raises(RuntimeError, match="init_process_group"):
         strategy.apply(w)
     assert w.applied == []
+
+
+def test_zero3_without_repeated_blocks_gathers_the_model_once():
+    """mlp() has no repeated blocks: FSDP shards it as one unit, gathered once,
+    nothing prefetched, so ZeRO-3 over 8 ranks never needs more than no sharding."""
+    base = simulate_plan(make_mlp_workload(), list, H100)
+    assert base.report.meta["largest_block_bytes"] == 0
+    z3 = simulate_plan(make_mlp_workload(), lambda: [ZeRO(3, 8)], H100, baseline=base.report)
+    peak = base.report.peak.bytes
+    sharded = sum(peak[c] - -(-peak[c] // 8) for c in ("optimizer_state", "gradients", "parameters"))
+    params = int(base.report.modules["parameters"].sum())  # the one unit: 2 MiB
+    assert base.peak_allocated - z3.peak_allocated == sharded - 2 * params
+    assert z3.peak_allocated <= base.peak_allocated

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 import memprof
-from memprof import Category
 from models import MiB, TiedLM, mlp, train
 
 A = "activations"
