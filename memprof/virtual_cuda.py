@@ -262,8 +262,11 @@ class VirtualCUDA:
             # its inputs' device for recomputation: that device is CUDA here.
             import torch.utils.checkpoint as ckpt
 
-            infer = ckpt._infer_device_type
-            stack.enter_context(_replace(ckpt, "_infer_device_type", lambda *a: "cuda" if infer(*a) == "meta" else infer(*a)))
+            infer = getattr(ckpt, "_infer_device_type", None)
+            if infer is not None:
+                stack.enter_context(
+                    _replace(ckpt, "_infer_device_type", lambda *a: "cuda" if infer(*a) == "meta" else infer(*a))
+                )
             accelerator = getattr(torch, "accelerator", None)
             if accelerator is not None:  # torch >= 2.6 asks it, e.g. in the optimizer's graph-capture check
                 for attr, fn in _ACCELERATOR_API.items():
