@@ -77,11 +77,18 @@ class Ledger:
             self.totals[category] += old.nbytes
             return old.nbytes
         nbytes = storage_bytes(storage, self.block)
-        if nbytes == 0:
-            return 0
         entries[weakref.ref(storage, self._forget)] = Entry(category, module, detail, nbytes)
         self.totals[category] += nbytes
         return nbytes
+
+    def resize(self, storage: torch.UntypedStorage) -> None:
+        """Re-read the size of a storage that was resized in place (FSDP frees
+        and re-fills gathered parameters with ``storage.resize_``)."""
+        entry = self._entries.get(weakref.ref(storage))
+        if entry is not None:
+            nbytes = storage_bytes(storage, self.block)
+            self.totals[entry.category] += nbytes - entry.nbytes
+            entry.nbytes = nbytes
 
     def _forget(self, key: weakref.ref) -> None:
         entry = self._entries.pop(key, None)

@@ -73,6 +73,13 @@ def _on_first_grad(obj: Any, fn) -> list[torch.Tensor]:
     return tensors
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage that holds ``t``'s bytes on this process: for a sharded
+    DTensor (FSDP2), the local shard's, not the global tensor's."""
+    local = getattr(t, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else t).untyped_storage()
+
+
 def _top_saved_tensors_hooks():
     """The saved-tensors hooks active now (e.g. ``save_on_cpu``), to chain to."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -248,6 +255,7 @@ class Tracker:
         self._rows: list[tuple] = []
         self._timeline.append(self._rows)
         self._saved_seen: set = set()
+        self._resizable: list[weakref.ref] = []
         self._activations: dict[str, int] = defaultdict(int)
         self._fwd_delta: dict[str, int] = defaultdict(int)
         self._bwd_delta: dict[str, int] = defaultdict(int)
@@ -306,23 +314,23 @@ class Tracker:
         model = self._model()
         for name, p in model.named_parameters():
             if self._on_device(p):
-                led.add(p.untyped_storage(), Category.PARAMETERS, _owner(root, name), name)
+                led.add(_storage(p), Category.PARAMETERS, _owner(root, name), name)
                 if p.grad is not None and self._on_device(p.grad):
-                    led.add(p.grad.untyped_storage(), Category.GRADIENTS, _owner(root, name), name, replace=True)
+                    led.add(_storage(p.grad), Category.GRADIENTS, _owner(root, name), name, replace=True)
         for name, b in model.named_buffers():
             if self._on_device(b):
-                led.add(b.untyped_storage(), Category.BUFFERS, _owner(root, name), name)
+                led.add(_storage(b), Category.BUFFERS, _owner(root, name), name)
         for opt in list(self._optimizers.keys()):
             self._record_optimizer_state(opt)
 
     def _record_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
         led = self._ledger
         for p, state in opt.state.items():
-            owner = led.get(p.untyped_storage()) if isinstance(p, torch.Tensor) else None
+            owner = led.get(_storage(p)) if isinstance(p, torch.Tensor) else None
             module = owner.module if owner is not None else ""
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and self._on_device(value):
-                    led.add(value.untyped_storage(), Category.OPTIMIZER_STATE, module, str(key))
+                    led.add(_storage(value), Category.OPTIMIZER_STATE, module, str(key))
 
     def _on_device(self, t: torch.Tensor) -> bool:
         d = t.device
@@ -330,6 +338,10 @@ class Tracker:
 
     def _sample(self, phase: str) -> int:
         """Close the interval that ran in the current phase; return allocated bytes now."""
+        for ref in self._resizable:
+            storage = ref()
+            if storage is not None:
+                self._ledger.resize(storage)
         c = self._counters.read()
         totals = self._ledger.snapshot()
         if c is None:
@@ -370,7 +382,7 @@ class Tracker:
         if not self._fwd:  # the root: its inputs, and start watching saved tensors
             for t in _tensors(args):
                 if self._on_device(t):
-                    self._ledger.add(t.untyped_storage(), Category.INPUTS, name)
+                    self._ledger.add(_storage(t), Category.INPUTS, name)
             self._saved_seen.clear()
             self._push_saved_hooks()
         self._fwd.append(_Span(name, alloc))
@@ -413,8 +425,15 @@ class Tracker:
             hooks.__exit__(None, None, None)
 
     def _on_saved(self, t: torch.Tensor) -> None:
-        storage = t.untyped_storage()
+        storage = _storage(t)
         module = self._fwd[-1].name if self._fwd else self._root_name
+        base = t._base if t._base is not None else t
+        if isinstance(base, nn.Parameter) and self._ledger.get(storage) is None:
+            # A parameter the model did not register before the step: FSDP's
+            # gathered (unsharded) copy, whose storage it frees and re-fills
+            # in place; its size is re-read at every sample.
+            self._ledger.add(storage, Category.PARAMETERS, module, "gathered")
+            self._resizable.append(weakref.ref(storage))
         added = self._ledger.add(storage, Category.ACTIVATIONS, module)
         if added >= self._big:
             self._sample(self._phase)
@@ -446,7 +465,7 @@ class Tracker:
         added = 0
         for g in grad_inputs:
             if g is not None and self._on_device(g):
-                added += self._ledger.add(g.untyped_storage(), Category.ACTIVATION_GRADIENTS, module)
+                added += self._ledger.add(_storage(g), Category.ACTIVATION_GRADIENTS, module)
         if added >= self._big:
             # A large gradient was just produced, and the node's saved tensors
             # are still alive (autograd frees them after its post hooks): the
@@ -476,8 +495,8 @@ class Tracker:
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
         if p.grad is not None and self._on_device(p.grad):
-            owner = self._ledger.get(p.untyped_storage())
-            self._ledger.add(p.grad.untyped_storage(), Category.GRADIENTS, owner.module if owner else "", replace=True)
+            owner = self._ledger.get(_storage(p))
+            self._ledger.add(_storage(p.grad), Category.GRADIENTS, owner.module if owner else "", replace=True)
 
     # -- hooks: optimizer ------------------------------------------------------
     def _is_ours(self, opt: torch.optim.Optimizer) -> bool:
@@ -488,7 +507,7 @@ class Tracker:
             else:  # an optimizer over the tracked model's parameters
                 led = self._ledger
                 known = any(
-                    (e := led.get(p.untyped_storage())) is not None and e.category is Category.PARAMETERS
+                    (e := led.get(_storage(p))) is not None and e.category is Category.PARAMETERS
                     for g in opt.param_groups
                     for p in g["params"][:1]
                 )
