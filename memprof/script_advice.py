@@ -239,7 +239,12 @@ def advise_script(
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
     nbytes, named = parse_budget(budget)
     simulate = target is not None or not torch.cuda.is_available()
-    gpu = get_gpu(target) if target is not None else (named or (get_gpu("RTX4090-24GB") if simulate else _local_gpu()))
+    if target is not None:
+        gpu = get_gpu(target)
+    elif simulate:
+        gpu = named or get_gpu("RTX4090-24GB")
+    else:  # measured on this machine's GPU, whatever the budget names
+        gpu = _local_gpu()
     record: dict = {}
     baseline = _observe(path, args, steps, [], gpu, simulate, timeout, record)
     baseline.meta.update(record)
