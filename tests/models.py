@@ -32,3 +32,18 @@ def train(model, opt, x, steps: int, loss_fn=lambda y: y.square().mean()) -> Non
         loss.backward()
         opt.step()
         opt.zero_grad()
+
+
+class FF(nn.Module):
+    """Residual feed-forward block: 256 -> 1024 -> 256, no biases. Each weight
+    is 256*1024*4 B = 1 MiB, so a block holds 2 MiB of parameters: a repeated
+    block for checkpointing, with large activations for a big batch."""
+
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d, bias=False)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))

@@ -12,23 +12,9 @@ from memprof.devices import CATALOGUE, get_gpu
 from memprof.simulate import NON_PYTORCH_BYTES
 from memprof.strategies import Autocast, Checkpointing, ZeRO
 from memprof.workload import Workload
-from models import MiB, mlp
+from models import FF, MiB, mlp
 
 H100 = get_gpu("h100")
-
-
-class FF(nn.Module):
-    """Residual feed-forward block 256 -> 1024 -> 256 (2 MiB of fp32 weights):
-    a repeated block for checkpointing, large activations for a big batch."""
-
-    def __init__(self, d: int = 256) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d, 4 * d, bias=False)
-        self.act = nn.ReLU()
-        self.fc2 = nn.Linear(4 * d, d, bias=False)
-
-    def forward(self, x):
-        return x + self.fc2(self.act(self.fc1(x)))
 
 
 def ff_workload(batch: int = 4096):

@@ -23,7 +23,7 @@ from memprof.strategies import (
     find_blocks,
 )
 from memprof.workload import Workload
-from models import MiB, mlp
+from models import FF, MiB, mlp
 
 H100 = get_gpu("h100")
 
@@ -86,20 +86,6 @@ def tiny_resnet() -> nn.Sequential:
         nn.Flatten(),
         nn.Linear(8, 4),
     )
-
-
-class FF(nn.Module):
-    """Residual feed-forward block: 256 -> 1024 -> 256, no biases. Each weight
-    is 256*1024*4 B = 1 MiB, so a block holds 2 MiB of parameters."""
-
-    def __init__(self, d: int = 256) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d, 4 * d, bias=False)
-        self.act = nn.ReLU()
-        self.fc2 = nn.Linear(4 * d, d, bias=False)
-
-    def forward(self, x):
-        return x + self.fc2(self.act(self.fc1(x)))
 
 
 def square_mean(model, x):
