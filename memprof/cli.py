@@ -124,6 +124,7 @@ def _cmd_track(args: argparse.Namespace, console: Console) -> int:
     _line(console, f"memprof: observed {done} training step(s) of {args.script} after {args.warmup} warmup step(s)")
     _show(console, report)
     _save(console, report, args.json)
+    _save_html(console, report, args.html)
     return 0
 
 
@@ -166,6 +167,7 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
         except OSError as exc:
             raise OSError(f"cannot write {path!r}: {exc.strerror or exc}; pick a writable path") from None
         _line(console, f"advice saved to {path}")
+    _save_html(console, advice.baseline, args.html)
     return 0
 
 
@@ -184,6 +186,15 @@ def _save(console: Console, report: Report, path: str | None) -> None:
         _line(console, f"report saved to {path}; show it again with: memprof report {path}")
 
 
+def _save_html(console: Console, report: Report, path: str | None) -> None:
+    if path is not None:
+        try:
+            report.save_html(path)
+        except OSError as exc:
+            raise OSError(f"cannot write the HTML report to {path!r}: {exc.strerror or exc}; pick a writable path") from None
+        _line(console, f"HTML report saved to {path}")
+
+
 def _cmd_report(args: argparse.Namespace, console: Console) -> int:
     try:
         report = Report.load(args.file)
@@ -195,6 +206,7 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
     if script:
         _line(console, f"report of {script}: {len(report.steps)} step(s)")
     _show(console, report)
+    _save_html(console, report, args.html)
     return 0
 
 
@@ -265,7 +277,8 @@ def _parser() -> argparse.ArgumentParser:
         "track", help="run a training script and attribute its memory",
         description="Run SCRIPT as `python SCRIPT SCRIPT_ARGS` would, unmodified, and attribute the memory of "
         "its training steps. Arguments after -- go to the script.",
-        usage="memprof track SCRIPT [--steps N] [--warmup N] [--timeout S] [--json PATH] [--target GPU] [-- SCRIPT_ARGS...]",
+        usage="memprof track SCRIPT [--steps N] [--warmup N] [--timeout S] [--json PATH] [--html PATH] [--target GPU] "
+        "[-- SCRIPT_ARGS...]",
     )
     p.add_argument("script", metavar="SCRIPT", help="the training script")
     p.add_argument("--steps", type=_positive_int, default=3, help="training steps to measure (default 3)")
@@ -275,6 +288,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", default=None, help="save the report as JSON")
     p.add_argument("--target", metavar="GPU", default=None,
                    help="simulate the steps on this GPU from the catalogue (see memprof gpus) instead of measuring")
+    p.add_argument("--html", metavar="PATH", default=None, help="save the report as a self-contained HTML page")
     p.set_defaults(func=_cmd_track)
 
     p = sub.add_parser(
@@ -282,7 +296,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Observe SCRIPT (run as `python SCRIPT SCRIPT_ARGS`), then simulate each plan (mixed precision, "
         "checkpointing, accumulation, offload, ZeRO) on it and rank those that fit BUDGET by predicted step time.",
         usage="memprof advise SCRIPT [--budget B] [--world-size N] [--steps N] [--target GPU] [--verify] [--json PATH] "
-        "[--top K] [-- SCRIPT_ARGS...]",
+        "[--html PATH] [--top K] [-- SCRIPT_ARGS...]",
     )
     p.add_argument("script", metavar="SCRIPT")
     p.add_argument("--budget", default="RTX4090-24GB",
@@ -292,12 +306,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", metavar="GPU", default=None, help="simulate this GPU even when one is present")
     p.add_argument("--verify", action="store_true", help="run the top plans for real on this GPU and measure them")
     p.add_argument("--json", metavar="PATH", default=None, help="save the advice as JSON (schema: docs/advise-json.md)")
+    p.add_argument("--html", metavar="PATH", default=None, help="save the baseline's report as an HTML page")
     p.add_argument("--top", type=_positive_int, default=None, metavar="K", help="show only the K best plans")
     p.add_argument("--timeout", type=_positive_float, default=None, help="give up on a run after this many seconds")
     p.set_defaults(func=_cmd_advise)
 
     p = sub.add_parser("report", help="render a report saved with --json")
     p.add_argument("file", metavar="FILE.json")
+    p.add_argument("--html", metavar="PATH", default=None, help="also write it as a self-contained HTML page")
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("gpus", help="list the GPU catalogue")

@@ -143,17 +143,7 @@ class Report:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write JSON atomically: a crash mid-write never leaves half a report."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=1, default=_json_default)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return _atomic_write(path, lambda f: json.dump(self.to_dict(), f, indent=1, default=_json_default))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Report":
@@ -167,6 +157,17 @@ class Report:
         return cls.from_dict(data)
 
     # -- rendering ------------------------------------------------------------
+    def to_html(self) -> str:
+        """One self-contained HTML page: categories, timeline chart, module tree."""
+        from .html import report_html
+
+        return report_html(self)
+
+    def save_html(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`to_html` to ``path`` (atomically)."""
+        page = self.to_html()
+        return _atomic_write(path, lambda f: f.write(page))
+
     def __rich_console__(self, console, options):
         from .render import render_report
 
@@ -176,6 +177,21 @@ class Report:
         from .render import report_text
 
         return report_text(self)
+
+
+def _atomic_write(path: str | os.PathLike, write) -> Path:
+    """Write through a temporary file and rename it: readers see the old file or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def _json_default(o: Any) -> Any:
