@@ -18,7 +18,6 @@ import math
 import re
 import sys
 from decimal import Decimal, InvalidOperation
-from contextlib import nullcontext
 from typing import Sequence
 
 import pandas as pd
@@ -32,8 +31,6 @@ from .devices import get_gpu, list_gpus
 from .estimate import OFFLOADS, OPTIMIZERS, PRECISIONS, estimate_model_states
 from .report import Report
 from .runner import ScriptError, observe_script
-from .simulate import SimulatedAllocator
-from .virtual_cuda import VirtualCUDA
 from .units import GiB
 
 __all__ = ["main", "parse_count"]
@@ -101,25 +98,19 @@ def _show(console: Console, report: Report) -> None:
 
 
 def _cmd_track(args: argparse.Namespace, console: Console) -> int:
-    device = nullcontext()
     if args.target is not None:
-        gpu = get_gpu(args.target)
-        device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu))
-        _line(console, f"memprof: simulating {gpu.name}: the script runs on shapes alone, no kernel runs, "
-              "and values it prints are placeholders")
+        _line(console, f"memprof: simulating {get_gpu(args.target).name}: the script runs on shapes alone, no kernel "
+              "runs, and values it prints are placeholders")
     try:
-        with device:
-            report = observe_script(
-                args.script, args.script_args, steps=args.steps, warmup=args.warmup, timeout=args.timeout
-            )
+        report = observe_script(
+            args.script, args.script_args, steps=args.steps, warmup=args.warmup, timeout=args.timeout,
+            target=args.target,
+        )
     except ScriptError as exc:
         if exc.report is not None:  # what was measured before the failure
             _show(console, exc.report)
             _save(console, exc.report, args.json)
         raise
-    if args.target is not None:
-        report.source = "simulate"
-        report.meta["target"] = gpu.name
     done = report.meta.get("observed_steps", len(report.steps))
     _line(console, f"memprof: observed {done} training step(s) of {args.script} after {args.warmup} warmup step(s)")
     _show(console, report)

@@ -23,6 +23,7 @@ steps a hook raises a private ``BaseException``, which a script's
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -234,11 +235,14 @@ def observe_script(
     warmup: int = 1,
     timeout: float | None = None,
     on_model: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None,
+    target: str | None = None,
 ) -> Report:
     """Run a training script as ``python path *args`` would, and measure ``steps`` training steps.
 
     ``on_model(model, optimizer)``, if given, is called once they are found,
-    before the tracked steps (the advisor applies a plan there).
+    before the tracked steps (the advisor applies a plan there). With
+    ``target`` (a GPU of the catalogue) the script runs on that simulated GPU
+    (``memprof.virtual_cuda``) and the report is a prediction.
 
     ``warmup`` optimizer steps run untracked first (at least 1: the first step
     is how the model and optimizer are found; Adam creates its state there),
@@ -259,35 +263,48 @@ def observe_script(
         raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
     script = _load(path)
 
+    device, gpu = contextlib.nullcontext(), None
+    if target is not None:
+        from .devices import get_gpu
+        from .simulate import SimulatedAllocator
+        from .virtual_cuda import VirtualCUDA
+
+        gpu = get_gpu(target)
+        device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu))
+
     observer = _Observer(steps, warmup, timeout, on_model)
     saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
     outcome: BaseException | None = None
     try:
         sys.argv = [str(path), *map(str, args)]
         sys.path.insert(0, str(script.parent))
-        observer.install()
-        try:
-            runpy.run_path(str(path), run_name="__main__")
-        except BaseException as exc:  # the script's own errors, exits and Ctrl-C, and our _Stop
-            outcome = exc
+        with device:
+            try:
+                observer.install()
+                try:
+                    runpy.run_path(str(path), run_name="__main__")
+                except BaseException as exc:  # the script's own errors, exits and Ctrl-C, and our _Stop
+                    outcome = exc
+            finally:
+                observer.close()  # every hook and the tracker, before the simulated device goes
     finally:
-        try:
-            observer.close()
-        finally:
-            sys.argv = saved_argv
-            sys.path[:] = saved_path
-            if os.getcwd() != saved_cwd:
-                os.chdir(saved_cwd)
-    return _result(observer, path, list(args), outcome)
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        if os.getcwd() != saved_cwd:
+            os.chdir(saved_cwd)
+    return _result(observer, path, list(args), outcome, gpu)
 
 
-def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outcome: BaseException | None) -> Report:
+def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outcome: BaseException | None, gpu=None) -> Report:
     """The report, or the ScriptError that explains why there is none."""
     tracker, steps = observer.tracker, observer.steps
     done = tracker.step if tracker is not None else 0
     report = None
     if done:
         report = tracker.report()
+        if gpu is not None:
+            report.source = "simulate"
+            report.meta["target"] = gpu.name
         report.meta.update(script=str(path), script_args=args, warmup_steps=observer.warmup, observed_steps=done)
     needed = f"{observer.warmup} + {steps} optimizer steps"
 

@@ -16,7 +16,6 @@ plan is applied to its model when the runner finds it:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -31,9 +30,7 @@ from .advisor import parse_budget, rank
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import observe_script
-from .simulate import SimulatedAllocator
 from .units import fmt_bytes
-from .virtual_cuda import VirtualCUDA
 from .workload import Workload
 
 __all__ = ["ScriptAdvice", "advise_script", "script_plans", "CODE_CHANGES"]
@@ -195,13 +192,9 @@ def _observe(path, args, steps, parts, gpu, simulate: bool, timeout, record: dic
         # cached, so the plan's reserved memory is its own.
         torch.cuda.empty_cache()
 
-    device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)) if simulate else contextlib.nullcontext()
-    with device:
-        report = observe_script(path, args, steps=steps, warmup=1, timeout=timeout, on_model=on_model)
-    if simulate:
-        report.source = "simulate"
-        report.meta["target"] = gpu.name
-    return report
+    return observe_script(
+        path, args, steps=steps, warmup=1, timeout=timeout, on_model=on_model, target=gpu.name if simulate else None
+    )
 
 
 def _prediction(report: Report, parts: Sequence[str]):
