@@ -31,7 +31,7 @@ from .units import fmt_bytes
 from .virtual_cuda import VirtualCUDA
 from .workload import Workload
 
-__all__ = ["Advice", "advise", "default_plans", "max_batch_size", "parse_budget", "rank", "simulate_plan", "verify"]
+__all__ = ["Advice", "advise", "default_plans", "max_batch_size", "parse_budget", "rank", "best_of", "simulate_plan", "verify"]
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +121,7 @@ class Advice:
 
     @property
     def best(self) -> str | None:
-        fits = self.table[self.table["fits"]]
-        return None if fits.empty else str(fits.index[0])
+        return best_of(self.table)
 
     def __rich__(self):
         from rich.table import Table
@@ -220,6 +219,12 @@ def advise(
         raise RuntimeError("the baseline step could not be simulated; see the warnings above")
     table = rank(rows, base_pred, baseline, nbytes, margin)
     return Advice(nbytes, gpu, world_size, table, baseline, plans)
+
+
+def best_of(table: pd.DataFrame) -> str | None:
+    """The first plan of a ranked table that fits, or None."""
+    fits = table[table["fits"]]
+    return None if fits.empty else str(fits.index[0])
 
 
 def rank(rows: list, base, baseline: Report, budget: int, margin: float) -> pd.DataFrame:

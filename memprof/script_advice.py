@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .advisor import parse_budget, rank
+from .advisor import best_of, parse_budget, rank
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import observe_script
@@ -91,10 +91,12 @@ def _apply(parts: Sequence[str], model: nn.Module, opt: torch.optim.Optimizer) -
             k = int(part[5:])
             model.register_forward_pre_hook(functools.partial(_micro_batch, k), with_kwargs=True)
         elif part == "offload_act":
+            from .virtual_cuda import current
+
             w = Workload(model, opt, None, None)
-            ActivationOffload().apply_simulated(w)
-            hooks = w.saved_tensors_hooks
-            model.forward = _under(hooks, model.forward)
+            strategy = ActivationOffload()
+            (strategy.apply_simulated if current() is not None else strategy.apply)(w)
+            model.forward = _under(w.saved_tensors_hooks, model.forward)
 
 
 def _under(make_context, fn):
@@ -131,8 +133,7 @@ class ScriptAdvice:
 
     @property
     def best(self) -> str | None:
-        fits = self.table[self.table["fits"]]
-        return None if fits.empty else str(fits.index[0])
+        return best_of(self.table)
 
     def code_change(self, plan: str | None = None) -> list[str]:
         """The changes to make in the script for ``plan`` (default: the best)."""
