@@ -25,10 +25,8 @@ import torch
 from .categories import Category
 from .devices import GPU, get_gpu
 from .report import Report
-from .simulate import NON_PYTORCH_BYTES, SimulatedAllocator, _state_tensors
-from .tracker import track
+from .simulate import NON_PYTORCH_BYTES, simulate
 from .units import fmt_bytes
-from .virtual_cuda import VirtualCUDA
 from .workload import Workload
 
 __all__ = ["Advice", "advise", "default_plans", "max_batch_size", "parse_budget", "rank", "best_of", "simulate_plan", "verify"]
@@ -148,26 +146,21 @@ def simulate_plan(
 ):
     """Predict one plan: returns a ``memprof.strategies.Prediction`` (per rank)."""
     from memprof.strategies import Prediction
+    from memprof.strategies.offload import largest_block_bytes
 
-    allocator = SimulatedAllocator(gpu)
-    with VirtualCUDA(gpu, allocator=allocator):
-        with torch.device("meta"):
-            w = make_workload()
-        allocator.adopt(_state_tensors(w.model, w.optimizer))
-        strategies = plan()
-        from memprof.strategies.offload import largest_block_bytes
+    strategies = plan()
+    block = {}
 
-        block = largest_block_bytes(w.model)
+    def setup():
+        w = make_workload()
+        block["bytes"] = largest_block_bytes(w.model)
         for s in strategies:
             s.apply_simulated(w)
-        with track(w.model, w.optimizer, warmup=steps, every=1, timeline_steps=1) as prof:
-            for _ in range(steps):
-                w.step()
-    report = prof.report()
-    report.source = "simulate"
-    report.meta.update(target=gpu.name, largest_block_bytes=block, plan=_name(strategies))
-    last = report.steps.iloc[-1]
-    pred = Prediction(int(last["peak_allocated"]), int(last["peak_reserved"]), float(last["seconds"]), report)
+        return w.model, w.optimizer, w.step
+
+    report = simulate(setup, target=gpu, steps=steps)
+    report.meta.update(largest_block_bytes=block["bytes"], plan=_name(strategies))
+    pred = Prediction.from_report(report)
     for s in strategies:
         pred = s.adjust(pred, baseline or report, gpu)
     return pred

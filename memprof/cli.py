@@ -115,7 +115,7 @@ def _cmd_track(args: argparse.Namespace, console: Console) -> int:
     _line(console, f"memprof: observed {done} training step(s) of {args.script} after {args.warmup} warmup step(s)")
     _show(console, report)
     _save(console, report, args.json)
-    _save_html(console, report, args.html)
+    _save(console, report, args.html, html=True)
     return 0
 
 
@@ -158,7 +158,7 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
         except OSError as exc:
             raise OSError(f"cannot write {path!r}: {exc.strerror or exc}; pick a writable path") from None
         _line(console, f"advice saved to {path}")
-    _save_html(console, advice.baseline, args.html)
+    _save(console, advice.baseline, args.html, html=True)
     return 0
 
 
@@ -168,22 +168,16 @@ def _plain(o):
     raise TypeError(f"cannot serialise {type(o).__name__}")
 
 
-def _save(console: Console, report: Report, path: str | None) -> None:
-    if path is not None:
-        try:
-            report.save(path)
-        except OSError as exc:
-            raise OSError(f"cannot write the report to {path!r}: {exc.strerror or exc}; pick a writable path") from None
-        _line(console, f"report saved to {path}; show it again with: memprof report {path}")
-
-
-def _save_html(console: Console, report: Report, path: str | None) -> None:
-    if path is not None:
-        try:
-            report.save_html(path)
-        except OSError as exc:
-            raise OSError(f"cannot write the HTML report to {path!r}: {exc.strerror or exc}; pick a writable path") from None
-        _line(console, f"HTML report saved to {path}")
+def _save(console: Console, report: Report, path: str | None, html: bool = False) -> None:
+    if path is None:
+        return
+    label = "HTML report" if html else "report"
+    try:
+        report.save_html(path) if html else report.save(path)
+    except OSError as exc:
+        raise OSError(f"cannot write the {label} to {path!r}: {exc.strerror or exc}; pick a writable path") from None
+    again = "" if html else f"; show it again with: memprof report {path}"
+    _line(console, f"{label} saved to {path}{again}")
 
 
 def _cmd_report(args: argparse.Namespace, console: Console) -> int:
@@ -197,7 +191,7 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
     if script:
         _line(console, f"report of {script}: {len(report.steps)} step(s)")
     _show(console, report)
-    _save_html(console, report, args.html)
+    _save(console, report, args.html, html=True)
     return 0
 
 

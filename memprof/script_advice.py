@@ -201,12 +201,12 @@ def _observe(path, args, steps, parts, gpu, simulate: bool, timeout, record: dic
 def _prediction(report: Report, parts: Sequence[str]):
     from memprof.strategies import Prediction
 
-    last = report.steps.iloc[-1]
+    # Each observed step ran one of K micro-batches: a real step runs K.
     k = 1
     for part in parts:
         if part.startswith("accum"):
             k *= int(part[5:])
-    return Prediction(int(last["peak_allocated"]), int(last["peak_reserved"]), float(last["seconds"]) * k, report)
+    return Prediction.from_report(report, time_factor=k)
 
 
 def advise_script(

@@ -20,6 +20,12 @@ class Prediction:
     seconds: float
     report: Report | None = None
 
+    @classmethod
+    def from_report(cls, report: Report, time_factor: float = 1.0) -> "Prediction":
+        """The last simulated step's peaks and (``time_factor`` times) its time."""
+        last = report.steps.iloc[-1]
+        return cls(int(last["peak_allocated"]), int(last["peak_reserved"]), float(last["seconds"]) * time_factor, report)
+
     def minus(self, nbytes: int, seconds: float = 0.0) -> "Prediction":
         return replace(
             self,

@@ -4,25 +4,14 @@ import shutil
 import subprocess
 
 import pytest
-import torch
 
 import memprof
-from models import mlp, train
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
-
-
-@pytest.fixture(scope="module")
-def report():
-    model = mlp()
-    opt = torch.optim.AdamW(model.parameters())
-    with memprof.track(model) as prof:
-        train(model, opt, torch.randn(512, 512), 3)
-    return prof.report()
 
 
 def test_html_holds_the_report(report, tmp_path):

@@ -3,21 +3,11 @@
 import json
 
 import pytest
-import torch
 from rich.console import Console
 
 import memprof
 from memprof import Breakdown, Report
-from models import MiB, mlp, train
-
-
-@pytest.fixture(scope="module")
-def report():
-    model = mlp()
-    opt = torch.optim.AdamW(model.parameters())
-    with memprof.track(model) as prof:
-        train(model, opt, torch.randn(512, 512), 3)
-    return prof.report()
+from models import MiB
 
 
 def test_to_dataframe_matches_peak(report):
