@@ -143,6 +143,9 @@ class Tracker:
         self._step_handles: list = []  # removed at the end of each profiled step
         self._saved_hooks: saved_tensors_hooks | None = None
         self._active = False
+        # Storages resized in place (FSDP's gathered parameters): kept across
+        # steps, since their ledger entries are, and re-read at every sample.
+        self._resizable: list[weakref.ref] = []
 
         self.step = 0
         self._forwards = 0
@@ -255,7 +258,6 @@ class Tracker:
         self._rows: list[tuple] = []
         self._timeline.append(self._rows)
         self._saved_seen: set = set()
-        self._resizable: list[weakref.ref] = []
         self._activations: dict[str, int] = defaultdict(int)
         self._fwd_delta: dict[str, int] = defaultdict(int)
         self._bwd_delta: dict[str, int] = defaultdict(int)
