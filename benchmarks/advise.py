@@ -25,7 +25,7 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).parent))
 from suite import workload  # noqa: E402
 
-from memprof.advisor import Advice, advise, default_plans, verify  # noqa: E402
+from memprof.advisor import Advice, advise, default_plans, rerank, verify  # noqa: E402
 from memprof.devices import get_gpu  # noqa: E402
 
 MODELS = ("gpt2", "vit_b_16", "llama")
@@ -43,12 +43,6 @@ def predict(out: Path) -> None:
     (out / "advise-predicted.json").write_text(json.dumps(tables, indent=1, default=float))
 
 
-def ranked(table: pd.DataFrame, budget: int, margin: float = 0.05) -> pd.DataFrame:
-    t = table.copy()
-    t["fits"] = t["peak_reserved"] * (1 + margin) <= budget
-    return pd.concat([t[t["fits"]].sort_values("seconds"), t[~t["fits"]].sort_values("peak_reserved")])
-
-
 def verify_all(out: Path) -> None:
     predicted = json.loads((out / "advise-predicted.json").read_text())
     gpu = get_gpu("H200-141GB")
@@ -57,7 +51,7 @@ def verify_all(out: Path) -> None:
         table = pd.DataFrame(predicted[m]).set_index("plan")
         chosen = ["baseline"]
         for b in BUDGETS_GIB:
-            r = ranked(table, b * 2**30)
+            r = rerank(table, b * 2**30)
             chosen += [p for p in r.index[r["fits"]][:TOP] if p not in chosen]
         advice = Advice(10**15, gpu, 1, table, None, default_plans())
         measured = verify(lambda: workload(m), advice, plans=chosen, steps=3, warmup=2)
@@ -68,7 +62,7 @@ def verify_all(out: Path) -> None:
         meas = pd.DataFrame(results[m]).set_index("plan")
         table = pd.DataFrame(predicted[m]).set_index("plan")
         for b in BUDGETS_GIB:
-            r = ranked(table, b * 2**30)
+            r = rerank(table, b * 2**30)
             fits = [p for p in r.index[r["fits"]][:TOP] if p in meas.index and "measured_peak_reserved" in meas and pd.notna(meas.at[p, "measured_peak_reserved"])]
             if not fits:
                 checks.append({"model": m, "budget_GiB": b, "recommended": None})

@@ -29,7 +29,7 @@ from .simulate import NON_PYTORCH_BYTES, simulate
 from .units import fmt_bytes
 from .workload import Workload
 
-__all__ = ["Advice", "advise", "default_plans", "max_batch_size", "parse_budget", "rank", "best_of", "simulate_plan", "verify"]
+__all__ = ["Advice", "advise", "default_plans", "max_batch_size", "parse_budget", "rank", "rerank", "best_of", "simulate_plan", "verify"]
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,6 @@ def rank(rows: list, base, baseline: Report, budget: int, margin: float) -> pd.D
                 "plan": name,
                 "peak_allocated": p.peak_allocated,
                 "peak_reserved": p.peak_reserved,
-                "fits": p.peak_reserved * (1 + margin) <= budget,
                 "seconds": p.seconds,
                 "slowdown": p.seconds / base.seconds if base.seconds else float("nan"),
                 "why": _why(name, p, base, baseline),
@@ -239,7 +238,15 @@ def rank(rows: list, base, baseline: Report, budget: int, margin: float) -> pd.D
             for name, p in rows
         ]
     ).set_index("plan")
-    return pd.concat([table[table["fits"]].sort_values("seconds"), table[~table["fits"]].sort_values("peak_reserved")])
+    return rerank(table, budget, margin)
+
+
+def rerank(table: pd.DataFrame, budget: int, margin: float = 0.05) -> pd.DataFrame:
+    """``table`` (predicted peaks and seconds per plan) ranked for ``budget``:
+    a plan fits when its peak reserved plus ``margin`` of it is within the budget."""
+    t = table.drop(columns="fits", errors="ignore")
+    t.insert(2, "fits", t["peak_reserved"] * (1 + margin) <= budget)  # after the peaks, as before
+    return pd.concat([t[t["fits"]].sort_values("seconds"), t[~t["fits"]].sort_values("peak_reserved")])
 
 
 def _why(name: str, p, base, baseline: Report) -> str:
