@@ -146,20 +146,20 @@ def simulate_plan(
 ):
     """Predict one plan: returns a ``memprof.strategies.Prediction`` (per rank)."""
     from memprof.strategies import Prediction
-    from memprof.strategies.offload import largest_block_bytes
+    from memprof.strategies.zero import fsdp_units
 
     strategies = plan()
-    block = {}
+    units = {}
 
     def setup():
         w = make_workload()
-        block["bytes"] = largest_block_bytes(w.model)
+        units.update(fsdp_units(w.model))
         for s in strategies:
             s.apply_simulated(w)
         return w.model, w.optimizer, w.step
 
     report = simulate(setup, target=gpu, steps=steps)
-    report.meta.update(largest_block_bytes=block["bytes"], plan=_name(strategies))
+    report.meta.update(units, plan=_name(strategies))
     pred = Prediction.from_report(report)
     for s in strategies:
         pred = s.adjust(pred, baseline or report, gpu)

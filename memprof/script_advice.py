@@ -183,11 +183,9 @@ class ScriptAdvice:
 def _observe(path, args, steps, parts, gpu, simulate: bool, timeout, record: dict | None = None) -> Report:
     def on_model(model, opt):
         if record is not None:
-            from memprof.strategies import find_blocks
-            from memprof.strategies.offload import largest_block_bytes
+            from memprof.strategies.zero import fsdp_units
 
-            record["blocks"] = [n for n, _ in find_blocks(model)]
-            record["largest_block_bytes"] = largest_block_bytes(model)
+            record.update(fsdp_units(model))
         _apply(parts, model, opt)
         # The untracked warm-up step ran without the plan: give back what it
         # cached, so the plan's reserved memory is its own.

@@ -9,8 +9,8 @@ from .accumulation import Accumulation
 from .base import Prediction, Strategy
 from .checkpointing import Checkpointing, find_blocks
 from .mixed_precision import Autocast, PureBF16
-from .offload import ActivationOffload, StateOffload
-from .zero import ZeRO
+from .offload import ActivationOffload
+from .zero import StateOffload, ZeRO
 
 __all__ = [
     "Accumulation",

@@ -1,17 +1,33 @@
-"""ZeRO-1/2/3 over N ranks (Rajbhandari et al. 2020): optimizer state (1),
-+ gradients (2), + parameters (3) sharded N ways.
+"""ZeRO-1/2/3 over N ranks (Rajbhandari et al. 2020), and state offload to the host.
 
-Applied with PyTorch's own engines: ``ZeroRedundancyOptimizer`` (with DDP)
-for stage 1, FSDP2 ``fully_shard`` with ``reshard_after_forward=False``
-(stage 2) or ``True`` (stage 3). Simulated from one rank's step: the sharded
-categories at the peak shrink to 1/N, and what FSDP holds unsharded at once
-(one block's parameters and gradients, and the next block's prefetched
-parameters) is added back; communication (reduce-scatter of gradients and
-all-gather of parameters: 2 parameter volumes a step for stages 1-2, 3 for
-stage 3, each moving (N-1)/N of it) is charged at the NVLink bandwidth.
+Stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also
+the parameters. Applied with PyTorch's own engines:
+
+* stage 1: ``ZeroRedundancyOptimizer`` under ``DistributedDataParallel``
+  (with ``gradient_as_bucket_view``, so gradients live in DDP's buckets and
+  are not kept twice);
+* stages 2 and 3: FSDP2 ``fully_shard`` on each repeated block and on the
+  model, ``reshard_after_forward=False`` (2) or ``True`` (3); with
+  ``offload=True`` its ``CPUOffloadPolicy`` keeps the shards and the optimizer
+  step on the host. :class:`StateOffload` is that on one rank.
+
+Simulated from one unsharded rank's step, sample by sample (the peak may move
+to another moment): the sharded categories become their 1/N shard (none on
+the device with offload), and what FSDP2 holds unsharded is added back. That
+is, in forward and backward, every unit for stage 2 (gathered in forward,
+kept until backward); for stage 3 the root module's own parameters (FSDP2
+never reshards the root after forward), the unit being computed and the
+next one prefetched; in backward, one unit's gradients before their
+reduce-scatter. In the optimizer step, its temporaries shrink with the shard.
+Communication and host transfers are charged to the step time.
 """
 
 from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
 
 from memprof.categories import Category
 from memprof.report import Report
@@ -19,62 +35,172 @@ from memprof.workload import Workload
 
 from .base import Prediction, Strategy
 from .checkpointing import find_blocks
-from .offload import _unit
 
-__all__ = ["ZeRO"]
+__all__ = ["StateOffload", "ZeRO", "fsdp_units"]
+
+# With offload the optimizer steps on the host: about 28 bytes per parameter
+# (fp32 param, grad, m, v in; param, m, v out), bound by the host's memory
+# bandwidth, which ranks on one host share. One rank using all cores of the
+# H200 host measured 11 GB/s (benchmarks/results/zero-1.md); under torchrun,
+# which sets OMP_NUM_THREADS=1 for each rank, two ranks reached half that.
+_HOST_ADAM_BYTES_PER_PARAM = 28
+_HOST_BANDWIDTH = 11e9
+
+_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+
+
+def fsdp_units(model: nn.Module) -> dict:
+    """How FSDP2 would cut ``model`` into units, for a report's ``meta``:
+    ``blocks`` (the repeated blocks' names), ``largest_block_bytes`` (0
+    without repeated blocks: the model is then one unit) and ``root_bytes``
+    (the parameters outside every block, which the root unit gathers for the
+    whole forward and backward)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    blocks = find_blocks(model)
+    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in blocks]
+    return {"blocks": [n for n, _ in blocks], "largest_block_bytes": max(sizes, default=0), "root_bytes": total - sum(sizes)}
+
+
+def rebuild_optimizer(opt: torch.optim.Optimizer, params) -> torch.optim.Optimizer:
+    """A fresh optimizer of ``opt``'s class and settings over ``params`` (after
+    the model's parameters were replaced by their shards)."""
+    accepted = inspect.signature(type(opt).__init__).parameters
+    return type(opt)(params, **{k: v for k, v in opt.defaults.items() if k in accepted})
+
+
+def _in_block(phase: str, blocks: list[str]) -> bool:
+    """Whether a sample's phase (``backward:Model.layers.3.mlp``) falls inside one of ``blocks``."""
+    path = phase.split(":", 1)[1].split(".", 1)[1] if phase.count(".") and ":" in phase else ""
+    return any(path == b or path.startswith(b + ".") for b in blocks)
+
+
+def _ceil_div(a: int, n: int) -> int:
+    return -(-a // n)
 
 
 class ZeRO(Strategy):
-    def __init__(self, stage: int, world_size: int) -> None:
+    """ZeRO stage ``stage`` over ``world_size`` ranks; ``offload``: shards and
+    optimizer step on the host (stages 2 and 3)."""
+
+    def __init__(self, stage: int, world_size: int, offload: bool = False) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
-        if not isinstance(world_size, int) or world_size < 1:
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
-        self.stage, self.world_size = stage, world_size
-        self.name = f"zero{stage}x{world_size}"
+        if offload and stage == 1:
+            raise ValueError(
+                "offload=True needs ZeRO stage 2 or 3 (FSDP2's CPUOffloadPolicy); "
+                "ZeroRedundancyOptimizer (stage 1) keeps its shard on the GPU"
+            )
+        self.stage, self.world_size, self.offload = stage, world_size, offload
+        self.name = f"zero{stage}x{world_size}" + ("_offload" if offload else "")
 
     def sharded(self) -> tuple[Category, ...]:
-        return (Category.OPTIMIZER_STATE, Category.GRADIENTS, Category.PARAMETERS)[: self.stage]
+        return _STATES[::-1][: self.stage]
 
+    # -- for real ------------------------------------------------------------
     def apply(self, workload: Workload) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             raise RuntimeError(
-                f"{self.name} runs on {self.world_size} ranks: start them with torchrun and call "
-                "torch.distributed.init_process_group() before applying it"
+                f"{self.name} uses torch.distributed: start the ranks with torchrun and call "
+                "torch.distributed.init_process_group() before applying it (world size 1 is fine)"
             )
         model, opt = workload.model, workload.optimizer
         if self.stage == 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
             from torch.nn.parallel import DistributedDataParallel
 
-            workload.model = DistributedDataParallel(model)
-            workload.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(opt), **opt.defaults)
+            workload.model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+            accepted = inspect.signature(type(opt).__init__).parameters
+            defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
+            workload.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(opt), **defaults)
         else:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-            reshard = self.stage == 3
+            kwargs = dict(reshard_after_forward=self.stage == 3, offload_policy=CPUOffloadPolicy() if self.offload else OffloadPolicy())
             for _, block in find_blocks(model):
-                fully_shard(block, reshard_after_forward=reshard)
-            fully_shard(model, reshard_after_forward=reshard)
-            workload.optimizer = type(opt)(model.parameters(), **opt.defaults)
+                fully_shard(block, **kwargs)
+            fully_shard(model, **kwargs)
+            workload.optimizer = rebuild_optimizer(opt, model.parameters())
         workload.applied.append(self.name)
 
+    # -- simulated -----------------------------------------------------------
     def apply_simulated(self, workload: Workload) -> None:
-        workload.applied.append(self.name)  # one rank's step runs unchanged; adjust() shards it
+        workload.applied.append(self.name)  # one rank's step runs unsharded; adjust() shards it
 
     def adjust(self, prediction: Prediction, baseline: Report, gpu) -> Prediction:
         n = self.world_size
-        peak = prediction.report.peak if prediction.report is not None else baseline.peak
-        removed = sum(peak.bytes.get(c.value, 0) - -(-peak.bytes.get(c.value, 0) // n) for c in self.sharded())
-        block, several = _unit(baseline)
-        added = 0
-        if self.stage >= 2 and n > 1:
-            added += block  # one unit's gradients before their reduce-scatter
-        if self.stage == 3 and n > 1:
-            added += (2 if several else 1) * block  # the gathered unit, and the prefetched next one if any
+        if n == 1 and not self.offload:
+            return prediction  # nothing to shard
+        report = prediction.report if prediction.report is not None else baseline
         params = int(baseline.modules["parameters"].sum())
-        volume = (3 if self.stage == 3 else 2) * params * (n - 1) / n
-        link = gpu.nvlink_bandwidth or gpu.pcie_bandwidth
-        return prediction.minus(removed - added, volume / link if n > 1 else 0.0)
+        t = report.timeline
+        last = t[t["step"] == t["step"].max()]
+        # The optimizer's own temporaries fall after its sample (taken as it
+        # starts); the step's peak shows them where no sample reaches it.
+        step_peak = int(report.steps["peak_allocated"].iloc[-1])
+        unsampled = len(last) > 0 and step_peak > int(last["interval_peak"].max())
+        values, computing = [], False
+        for _, s in last.iterrows():
+            phase = str(s["phase"]).split(":")[0]
+            # FSDP gathers from the first forward to the end of backward (the
+            # loss between them may run outside the model, in phase "other").
+            computing = phase in ("forward", "backward") or computing and phase == "other"
+            values.append(self._bytes(s, phase, computing, params, baseline, step_peak if unsampled else 0))
+        peak = max(values, default=step_peak)
+        return prediction.minus(prediction.peak_allocated - peak, self._seconds(params, gpu))
+
+    def _bytes(self, sample, phase: str, computing: bool, params: int, baseline: Report, step_peak: int) -> int:
+        """This rank's peak bytes in the interval ending at ``sample`` (for the
+        optimizer's sample, also in the step it starts, which peaks at ``step_peak`` when known)."""
+        n = self.world_size
+        b = {c: int(sample[c.value]) for c in _STATES}
+        allocated, before = int(sample["allocated"]), int(sample["interval_peak"]) - int(sample["allocated"])
+        if self.stage == 1:
+            # DDP's buckets hold every gradient for the whole step; each rank keeps
+            # (and steps) the optimizer state of 1/N of the parameters.
+            extra = params - b[Category.GRADIENTS] + _ceil_div(b[Category.OPTIMIZER_STATE], n) - b[Category.OPTIMIZER_STATE]
+            keep = 1
+        else:
+            keep = 0 if self.offload else 1
+            extra = sum(keep * _ceil_div(v, n) - v for v in b.values())
+        if phase == "optimizer":  # everything resharded; the step runs on the shards (on the host with offload)
+            during = max(step_peak - allocated, 0)
+            return allocated + extra + max(before, keep * _ceil_div(during, n))
+        if self.stage >= 2 and computing:
+            block, root = int(baseline.meta.get("largest_block_bytes", 0)), int(baseline.meta.get("root_bytes", params))
+            in_block = _in_block(str(sample["phase"]), baseline.meta.get("blocks", []))
+            if self.stage == 2:
+                extra += params
+            else:  # a block is gathered while it computes; in backward the next one is prefetched
+                extra += root + (2 if in_block and phase == "backward" else 1) * block
+            if phase == "backward" and (in_block or not block):
+                extra += block or params  # the block's gradients before their reduce-scatter
+        return allocated + before + extra
+
+    def _seconds(self, params: int, gpu) -> float:
+        n = self.world_size
+        # Parameter volumes moved a step: DDP's all-reduce (2) and the optimizer's
+        # broadcast (1) for stage 1; reduce-scatter + one all-gather (2) for stage
+        # 2; + the backward's second all-gather (3) for stage 3; (N-1)/N of each.
+        volumes = 2 if self.stage == 2 else 3
+        seconds = volumes * params * (n - 1) / n / (gpu.nvlink_bandwidth or gpu.pcie_bandwidth)
+        if self.offload:
+            gathers = 2 if self.stage == 3 else 1
+            shard = params / n
+            seconds += (gathers + 1) * shard / gpu.pcie_bandwidth  # shards in, gradients out
+            seconds += params / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_BANDWIDTH  # every rank's shard, one host
+        return seconds
+
+
+class StateOffload(ZeRO):
+    """Parameters, gradients and optimizer state on the host; FSDP2 brings
+    each block's parameters over for its forward and backward and the
+    optimizer steps on the CPU: ZeRO-3 with offload on one rank. Needs an
+    initialised ``torch.distributed`` process group (one rank is fine)."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 1, offload=True)
+        self.name = "offload_states"

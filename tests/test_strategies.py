@@ -439,8 +439,11 @@ def ff_baseline():
 
 def test_ff_baseline_peak(ff_baseline):
     r = ff_baseline.report
-    # Four blocks of 2 MiB: the largest block FSDP would gather is 2 MiB.
+    # Four blocks of 2 MiB: FSDP2 would gather one block at a time, and the
+    # root unit (Sequential itself) owns no parameters of its own.
+    assert r.meta["blocks"] == ["0", "1", "2", "3"]
     assert r.meta["largest_block_bytes"] == 2 * MiB
+    assert r.meta["root_bytes"] == 0
     # The peak falls in backward at the last block's ReLU, after that block's
     # fc2 (and only it) produced its 1 MiB weight gradient.
     assert r.peak.phase == "backward:Sequential.3.act"
@@ -451,39 +454,56 @@ def test_ff_baseline_peak(ff_baseline):
 
 
 @pytest.mark.parametrize(
-    "stage, saved",
+    "stage, offload, saved",
     [
-        # Stage 1: AdamW state 16 MiB -> 2 MiB per rank.
-        (1, 16 * MiB * 7 // 8),
-        # Stage 2: + the 1 MiB of gradients -> 128 KiB, less one block's
-        # gradients (2 MiB) held before their reduce-scatter.
-        (2, (16 + 1) * MiB * 7 // 8 - 2 * MiB),
-        # Stage 3: + 8 MiB of parameters -> 1 MiB, less 3 blocks (2 MiB each:
-        # one block's gradients, the gathered block and the prefetched next one).
-        (3, (16 + 1 + 8) * MiB * 7 // 8 - 3 * 2 * MiB),
+        # Stage 1: AdamW state 16 MiB -> 2 MiB per rank, but DDP's buckets hold
+        # all 8 MiB of gradients, where only 1 MiB existed at the peak.
+        (1, False, (16 - 2) * MiB - (8 - 1) * MiB),
+        # Stage 2: parameters 8 -> 1 MiB, gradients 1 -> 128 KiB, state 16 -> 2 MiB,
+        # less the 8 MiB of parameters FSDP keeps gathered from forward to backward
+        # and the block's 2 MiB of gradients before their reduce-scatter.
+        (2, False, (7 * MiB + 7 * MiB // 8 + 14 * MiB) - 8 * MiB - 2 * MiB),
+        # Stage 3: the same shards, less the gathered block, the prefetched next
+        # one and the block's gradients (2 MiB each).
+        (3, False, (7 * MiB + 7 * MiB // 8 + 14 * MiB) - 3 * 2 * MiB),
+        # Offload: nothing of the 25 MiB of states stays on the device.
+        (2, True, 25 * MiB - 8 * MiB - 2 * MiB),
+        (3, True, 25 * MiB - 3 * 2 * MiB),
     ],
 )
-def test_zero_shards_eight_ways(ff_baseline, stage, saved):
+def test_zero_shards_eight_ways(ff_baseline, stage, offload, saved):
     base = ff_baseline
-    pred = simulate_plan(make_ff_workload(), lambda: [ZeRO(stage, 8)], H100, baseline=base.report)
-    assert pred.report.meta["plan"] == f"zero{stage}x8"
+    pred = simulate_plan(make_ff_workload(), lambda: [ZeRO(stage, 8, offload=offload)], H100, baseline=base.report)
+    assert pred.report.meta["plan"] == f"zero{stage}x8" + ("_offload" if offload else "")
     assert base.peak_allocated - pred.peak_allocated == saved
     assert base.peak_reserved - pred.peak_reserved == saved
-    assert saved == {1: 14680064, 2: 13500416, 3: 16646144}[stage]
-    # Communication: 2 (stages 1-2) or 3 (stage 3) parameter volumes of 8 MiB,
-    # 7/8 of each over NVLink (450 GB/s per direction on an H100).
-    volumes = 3 if stage == 3 else 2
-    assert pred.seconds - base.seconds == pytest.approx(volumes * 8 * MiB * 7 / 8 / 450e9, rel=1e-9)
+    # Communication: parameter volumes of 8 MiB, 7/8 of each over NVLink (450 GB/s
+    # per direction on an H100): DDP's all-reduce (2) and the optimizer's broadcast
+    # (1) for stage 1; reduce-scatter and all-gather (2) for stage 2; and the
+    # backward's second all-gather (3) for stage 3.
+    volumes = {1: 3, 2: 2, 3: 3}[stage]
+    seconds = volumes * 8 * MiB * 7 / 8 / 450e9
+    if offload:  # 1 MiB shards in (twice for stage 3), gradients out over PCIe; AdamW
+        # on the host for all 8 ranks' shards, 28 B per parameter at 11 GB/s
+        seconds += ({2: 1, 3: 2}[stage] + 1) * MiB / H100.pcie_bandwidth + 8 * MiB / 4 * 28 / 11e9
+    assert pred.seconds - base.seconds == pytest.approx(seconds, rel=1e-9)
 
 
-def test_zero1_shards_only_optimizer_state(ff_baseline):
+def test_zero_measured_savings(ff_baseline):
+    assert [ff_baseline.peak_allocated - simulate_plan(make_ff_workload(), lambda s=s: [ZeRO(s, 8)], H100, baseline=ff_baseline.report).peak_allocated
+            for s in (1, 2, 3)] == [7340032, 12451840, 16646144]
+
+
+def test_state_offload_is_zero3_offload_on_one_rank(ff_baseline):
     base = ff_baseline
-    peak = base.report.peak.bytes
-    # Three ranks: the 16 MiB of AdamW state becomes ceil(16 MiB / 3) per rank;
-    # parameters and gradients are untouched.
-    opt = peak["optimizer_state"]
-    pred = simulate_plan(make_ff_workload(), lambda: [ZeRO(1, 3)], H100, baseline=base.report)
-    assert base.peak_allocated - pred.peak_allocated == opt - -(-opt // 3) == 16777216 - 5592406
+    pred = simulate_plan(make_ff_workload(), lambda: [StateOffload()], H100, baseline=base.report)
+    assert pred.report.meta["plan"] == "offload_states"
+    # Every state leaves the device; the gathered block, the prefetched one and
+    # the block's gradients (2 MiB each) remain.
+    assert base.peak_allocated - pred.peak_allocated == 25 * MiB - 3 * 2 * MiB
+
+
+def test_zero_sharded_categories():
     assert [c.value for c in ZeRO(1, 8).sharded()] == ["optimizer_state"]
     assert [c.value for c in ZeRO(2, 8).sharded()] == ["optimizer_state", "gradients"]
     assert [c.value for c in ZeRO(3, 8).sharded()] == ["optimizer_state", "gradients", "parameters"]
@@ -514,12 +534,15 @@ def test_sharding_without_process_group_raises(strategy):
 
 def test_zero3_without_repeated_blocks_gathers_the_model_once():
     """mlp() has no repeated blocks: FSDP shards it as one unit, gathered once,
-    nothing prefetched, so ZeRO-3 over 8 ranks never needs more than no sharding."""
+    nothing prefetched, so ZeRO-3 over 8 ranks never needs more than no sharding.
+    The step peaks as backward starts, where the whole model is gathered and no
+    gradient exists yet."""
     base = simulate_plan(make_mlp_workload(), list, H100)
     assert base.report.meta["largest_block_bytes"] == 0
     z3 = simulate_plan(make_mlp_workload(), lambda: [ZeRO(3, 8)], H100, baseline=base.report)
     peak = base.report.peak.bytes
     sharded = sum(peak[c] - -(-peak[c] // 8) for c in ("optimizer_state", "gradients", "parameters"))
     params = int(base.report.modules["parameters"].sum())  # the one unit: 2 MiB
-    assert base.peak_allocated - z3.peak_allocated == sharded - 2 * params
+    assert base.report.peak.phase == "other" and peak["gradients"] == 0
+    assert base.peak_allocated - z3.peak_allocated == sharded - params == 3407872
     assert z3.peak_allocated <= base.peak_allocated

@@ -1,0 +1,142 @@
+"""ZeRO through PyTorch's own engines on the CPU: applied for real on a
+one-rank gloo group (training as without it), and FSDP2 over a fake process
+group of 8 ranks, whose shards memprof attributes per rank."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import memprof
+from memprof.strategies import Autocast, Checkpointing, StateOffload, ZeRO, find_blocks
+from memprof.strategies.zero import _in_block, fsdp_units, rebuild_optimizer
+from memprof.workload import Workload
+from models import FF, MiB
+
+fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+
+
+@pytest.fixture
+def eight_ranks():
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=8)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        yield init_device_mesh("cpu", (8,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_shards_are_attributed_per_rank(eight_ranks):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    # 4 blocks of two 512x1024 fp32 weights: 4 x 2 x 2 MiB = 16 MiB unsharded.
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(512, 1024, bias=False), nn.GELU(), nn.Linear(1024, 512, bias=False)) for _ in range(4)]
+    )
+    for block in model:
+        fully_shard(block, mesh=eight_ranks)
+    fully_shard(model, mesh=eight_ranks)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(64, 512)
+    with memprof.track(model, opt) as prof:
+        for _ in range(3):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    r = prof.report()
+    # ZeRO-3 over 8 ranks: each rank keeps 1/8 of parameters, gradients and Adam's m and v.
+    assert r.modules["parameters"].sum() == 16 * MiB // 8
+    assert r.optimizer_state["exp_avg"] == r.optimizer_state["exp_avg_sq"] == 16 * MiB // 8
+    assert r.modules["gradients"].sum() == 16 * MiB // 8
+    # FSDP frees each block's gathered weights after its forward (resize in place):
+    # the 16 MiB of unsharded weights never count as activations.
+    assert r.peak.bytes["activations"] < 4 * MiB
+    assert r.peak.bytes["parameters"] < 16 * MiB
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def ff_workload() -> Workload:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[FF() for _ in range(3)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95))
+    return Workload(model, opt, torch.randn(64, 256), lambda m, x: m(x).square().mean())
+
+
+@pytest.mark.parametrize("plan", [[ZeRO(1, 1)], [ZeRO(2, 1)], [ZeRO(3, 1)], [Autocast("bf16"), Checkpointing(), ZeRO(3, 1)]], ids=repr)
+def test_zero_applies_with_torch_engines_and_trains_the_same(one_rank, plan):
+    expected_w = ff_workload()
+    for s in plan[:-1]:
+        s.apply(expected_w)
+    expected = [float(expected_w.step()) for _ in range(3)]
+    w = ff_workload()
+    for s in plan:
+        s.apply(w)
+    assert w.applied == [s.name for s in plan]
+    zero = plan[-1]
+    if zero.stage == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        assert isinstance(w.model, DistributedDataParallel) and isinstance(w.optimizer, ZeroRedundancyOptimizer)
+        local = w.optimizer.optim
+    else:
+        from torch.distributed.fsdp import FSDPModule
+
+        assert isinstance(w.model, FSDPModule)
+        assert all(isinstance(b, FSDPModule) for _, b in find_blocks(w.model))
+        local = w.optimizer
+    # The rebuilt optimizer keeps the user's hyperparameters.
+    group = local.param_groups[0]
+    assert type(local) is torch.optim.AdamW
+    assert (group["lr"], group["weight_decay"], group["betas"]) == (1e-2, 0.1, (0.8, 0.95))
+    losses = [float(w.step()) for _ in range(3)]
+    assert losses[0] == pytest.approx(expected[0], rel=1e-5)
+    # After updates, fp32 stays equal; with bf16 autocast on a GPU, AdamW turns
+    # rounding differences in near-zero gradients into whole-lr steps (measured:
+    # 3.5 % apart after two steps on the H200), so only closeness is asserted.
+    tol = 0.1 if any(isinstance(s, Autocast) for s in plan) and torch.cuda.is_available() else 1e-5
+    assert losses == pytest.approx(expected, rel=tol)
+
+
+def test_rebuild_optimizer_passes_only_what_the_constructor_takes():
+    p = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p], lr=3e-4, weight_decay=0.2)
+    # AdamW's defaults hold a key its constructor does not take in some torch
+    # versions ('decoupled_weight_decay'): only accepted ones are passed on.
+    new = rebuild_optimizer(opt, [nn.Parameter(torch.zeros(3))])
+    assert type(new) is torch.optim.AdamW and new is not opt
+    assert {k: new.defaults[k] for k in ("lr", "weight_decay")} == {"lr": 3e-4, "weight_decay": 0.2}
+
+
+def test_fsdp_units_and_block_phases():
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Sequential(*[FF() for _ in range(3)]))
+    units = fsdp_units(model)
+    # Three FF blocks of 2 MiB; the first Linear (256 KiB) belongs to the root unit.
+    assert units == {"blocks": ["1.0", "1.1", "1.2"], "largest_block_bytes": 2 * MiB, "root_bytes": 256 * 1024}
+    assert _in_block("backward:Sequential.1.2.fc1", units["blocks"])
+    assert _in_block("forward:Sequential.1.0", units["blocks"])
+    assert not _in_block("forward:Sequential.1", units["blocks"])
+    assert not _in_block("forward:Sequential.0", units["blocks"])
+    assert not _in_block("backward:Sequential", units["blocks"])
+    assert not _in_block("optimizer", units["blocks"])
+    assert fsdp_units(nn.Linear(4, 4, bias=False)) == {"blocks": [], "largest_block_bytes": 0, "root_bytes": 64}
+
+
+def test_zero_arguments():
+    assert ZeRO(3, 4, offload=True).name == "zero3x4_offload"
+    assert StateOffload().name == "offload_states"
+    assert (StateOffload().stage, StateOffload().world_size, StateOffload().offload) == (3, 1, True)
+    with pytest.raises(ValueError, match="offload=True needs ZeRO stage 2 or 3"):
+        ZeRO(1, 4, offload=True)
+    with pytest.raises(ValueError, match="world size must be an integer >= 1, got True"):
+        ZeRO(2, True)
