@@ -48,6 +48,17 @@ _KEEP = [
 ]
 
 
+def _disable_kv_cache(model: nn.Module) -> None:
+    """Turn off a Hugging Face model's key/value cache, as its own
+    ``gradient_checkpointing_enable()`` does: the cache would keep every
+    checkpointed block's keys and values alive until backward (and grow them
+    again in the recomputation), the memory checkpointing is meant to free."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+
+
 class Checkpointing(Strategy):
     """Recompute each block's forward in backward instead of keeping its activations.
 
@@ -56,7 +67,8 @@ class Checkpointing(Strategy):
     Non-reentrant ``torch.utils.checkpoint``; module names and hooks stay as
     they were (the block's ``forward`` is wrapped on the instance). As with
     any use of ``torch.utils.checkpoint``, a BatchNorm inside a block updates
-    its running statistics again when the block is recomputed.
+    its running statistics again when the block is recomputed. A Hugging Face
+    model's key/value cache is turned off (``config.use_cache = False``).
     """
 
     def __init__(self, blocks: list[str] | None = None, selective: bool = False) -> None:
@@ -82,5 +94,6 @@ class Checkpointing(Strategy):
             kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _KEEP)
         for _, block in found:
             block.forward = functools.partial(checkpoint, block.forward, **kwargs)
+        _disable_kv_cache(model)
         self.wrapped = [n for n, _ in found]
         workload.applied.append(self.name)

@@ -221,6 +221,21 @@ def test_checkpointing_resnet_keeps_batchnorm_statistics():
     assert ckpt.model[3][0].bn1.num_batches_tracked.item() == plain.model[3][0].bn1.num_batches_tracked.item() == 1
 
 
+def test_checkpointing_turns_off_a_hugging_face_kv_cache():
+    """As gradient_checkpointing_enable() does: a cache would keep the blocks'
+    keys and values alive until backward, and grow them in the recomputation."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    ids = torch.randint(0, 64, (2, 16))
+    assert model(input_ids=ids).past_key_values is not None
+    w = Workload(model, torch.optim.AdamW(model.parameters()), dict(input_ids=ids, labels=ids), lambda m, b: m(**b).loss)
+    Checkpointing().apply(w)
+    assert model.config.use_cache is False
+    assert model(input_ids=ids).past_key_values is None
+    w.step()
+
+
 def test_checkpointing_explicit_blocks():
     w = transformer_workload()
     s = Checkpointing(blocks=["layers.1"])
