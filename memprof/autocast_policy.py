@@ -10,7 +10,6 @@ backward keeps the same dtypes.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -63,15 +62,19 @@ def _eligible(t: Any, device_type: str) -> bool:
 class AutocastPolicy:
     """Apply CUDA autocast's policy to a torch function call on ``device_type`` tensors.
 
-    Casts of parameters (leaf tensors that require grad) are cached while
-    they live, as autocast caches them within its region: a weight used twice
-    is cast once. The cache holds the copies weakly; autocast holds them until
-    the region ends, but every such copy is also saved for backward by the op
-    that used it, so the two lifetimes agree.
+    Casts of parameters (leaf tensors that require grad) are cached, and
+    held, until :meth:`clear` (when the outermost autocast region ends), as
+    autocast does: a weight used twice is cast once, and under activation
+    checkpointing, where no op saves the copies for backward, the cache alone
+    keeps every block's low-precision weights alive until the forward ends.
     """
 
     def __init__(self, device_type: str = "meta") -> None:
         self.device_type = device_type
+        self._cache = WeakTensorKeyDictionary()
+
+    def clear(self) -> None:
+        """Drop the cached casts (``torch.clear_autocast_cache()``)."""
         self._cache = WeakTensorKeyDictionary()
 
     def __call__(self, name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -101,12 +104,11 @@ class AutocastPolicy:
             if t.is_leaf and t.requires_grad and torch.is_autocast_cache_enabled():
                 hit = self._cache.get(t)
                 if hit is not None:
-                    ref, version = hit
-                    cached = ref()
-                    if cached is not None and cached.dtype is dtype and version == t._version:
+                    cached, version = hit
+                    if cached.dtype is dtype and version == t._version:
                         return cached
                 out = t.to(dtype)
-                self._cache[t] = (weakref.ref(out), t._version)
+                self._cache[t] = (out, t._version)
                 return out
             return t.to(dtype)
 

@@ -275,7 +275,15 @@ class VirtualCUDA:
             stack.callback(register_optimizer_step_pre_hook(_prefer_foreach).remove)
             if self.allocator is not None:
                 stack.enter_context(self.allocator)
-            stack.enter_context(_Mode(self))
+            mode = _Mode(self)
+            clear = torch.clear_autocast_cache
+
+            def clear_autocast_cache() -> None:  # autocast calls it as its outermost region ends
+                clear()
+                mode.autocast.clear()
+
+            stack.enter_context(_replace(torch, "clear_autocast_cache", clear_autocast_cache))
+            stack.enter_context(mode)
             _current = self
             stack.callback(_clear_current)
         except BaseException:

@@ -104,6 +104,28 @@ def test_autocast_policy_dtypes_and_cache():
         torch.set_autocast_enabled("cuda", False)
 
 
+def test_autocast_cache_holds_casts_until_the_region_ends():
+    """Autocast keeps a weight's low-precision copy until its outermost region
+    ends, also when no op saves it for backward (x needs no grad here, so
+    linear saves x alone): under checkpointing that is every block's copies."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    with VirtualCUDA("h100", allocator=SimulatedAllocator(get_gpu("h100"))):
+        w = torch.randn(512, 512, device="cuda", requires_grad=True)  # 1 MiB fp32
+        x = torch.randn(8, 512, device="cuda")
+        warm = x @ w  # the first matmul allocates cuBLAS's workspace
+        del warm
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = F.linear(x, w)
+            del y
+            held = torch.cuda.memory_allocated() - before
+        after = torch.cuda.memory_allocated() - before
+    assert held == MiB // 2  # w's bf16 copy
+    assert after == 0
+
+
 @pytest.mark.parametrize(
     "dtype, mask, gqa, cc, expected",
     [
