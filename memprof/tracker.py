@@ -571,7 +571,10 @@ class Tracker:
     def _resolve_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
         if device is None:
             p = next(iter(model.parameters()), None)
-            device = p.device if p is not None else torch.device("cpu")
+            # A sharded parameter (DTensor) computes on its mesh's device, also
+            # when FSDP keeps its shard on the host (CPU offload).
+            mesh = getattr(p, "device_mesh", None)
+            device = torch.device(mesh.device_type) if mesh is not None else p.device if p is not None else torch.device("cpu")
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError):

@@ -136,3 +136,29 @@ def test_real_models(build, dtype):
     assert p.named_fraction >= 0.85, (p.phase, p.allocated, {k: v >> 20 for k, v in p.bytes.items()})
     n_params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert abs(r.peak.bytes["parameters"] - n_params) < 512 * len(list(model.parameters()))
+
+
+def test_state_offload_is_tracked_on_the_gpu():
+    """FSDP2 with CPU offload keeps the shards and Adam's state on the host:
+    the tracker follows the device the model computes on, not the host."""
+    import torch.distributed as dist
+
+    from memprof.strategies import StateOffload
+    from memprof.workload import Workload
+
+    model, opt, _ = workload()
+    x = torch.randn(64, 256, 1024, device="cuda")
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        w = Workload(model, opt, x, lambda m, b: m(b).float().pow(2).mean())
+        StateOffload().apply(w)
+        with memprof.track(w.model, w.optimizer) as prof:
+            for _ in range(3):
+                w.step()
+        r = prof.report()
+    finally:
+        dist.destroy_process_group()
+    assert r.device == f"cuda:{torch.cuda.current_device()}"
+    assert r.peak.bytes["optimizer_state"] == 0  # m and v live on the host
+    step_peak = int(r.steps.set_index("step").at[r.peak.step, "peak_allocated"])  # CUDA's own counter
+    assert r.peak.allocated == pytest.approx(step_peak, rel=0.01)
