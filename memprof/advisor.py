@@ -95,9 +95,9 @@ def default_plans(world_size: int = 1, pure_bf16: bool = False) -> dict[str, Pla
         parts = ([lambda: Autocast("bf16")] if prec else []) + [StateOffload]
         plans[_name(p() for p in parts)] = lambda parts=tuple(parts): [p() for p in parts]
     if world_size > 1:
-        for stage in (1, 2, 3):
+        for stage, offload in ((1, False), (2, False), (3, False), (3, True)):
             for extra in ([], [lambda: Autocast("bf16")], [lambda: Autocast("bf16"), Checkpointing]):
-                parts = [*extra, lambda s=stage: ZeRO(s, world_size)]
+                parts = [*extra, lambda s=stage, o=offload: ZeRO(s, world_size, offload=o)]
                 plans[_name(p() for p in parts)] = lambda parts=tuple(parts): [p() for p in parts]
     return plans
 

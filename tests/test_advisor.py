@@ -92,8 +92,9 @@ def test_default_plans_world_size_adds_zero():
     plans = default_plans(world_size=4)
     zero = [n for n in plans if "zero" in n]
     assert {"zero1x4", "zero2x4", "zero3x4"} <= set(zero)
-    # Each stage alone, with bf16, and with bf16 and checkpointing.
-    assert len(zero) == 9 and "bf16+ckpt+zero3x4" in zero
+    # Each stage, and stage 3 with CPU offload, alone, with bf16, and with bf16 and checkpointing.
+    assert len(zero) == 12 and {"bf16+ckpt+zero3x4", "zero3x4_offload", "bf16+ckpt+zero3x4_offload"} <= set(zero)
+    assert plans["bf16+zero3x4_offload"]()[-1].offload
     s = plans["zero2x4"]()
     assert len(s) == 1 and isinstance(s[0], ZeRO) and (s[0].stage, s[0].world_size) == (2, 4)
     assert [type(x) for x in plans["bf16+ckpt+zero1x4"]()] == [Autocast, Checkpointing, ZeRO]
