@@ -28,7 +28,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -80,6 +79,8 @@ def _tracked_peak(w, steps: int) -> dict:
 def measure(models, names, out: Path, steps: int, warmup: int, track: bool) -> None:
     import torch.distributed as dist
 
+    from memprof.advisor import measure_steps
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
@@ -99,19 +100,7 @@ def measure(models, names, out: Path, steps: int, warmup: int, track: bool) -> N
                 else:
                     for s in plan():
                         s.apply(w)
-                for _ in range(warmup):
-                    w.step()
-                torch.cuda.synchronize()
-                dist.barrier()
-                torch.cuda.reset_peak_memory_stats()
-                times = []
-                for _ in range(steps):
-                    t = time.perf_counter()
-                    w.step()
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t)
-                row = {"left_over": left, "peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved(),
-                       "seconds": statistics.median(times)}
+                row = {"left_over": left, **measure_steps(w, steps, warmup, before=dist.barrier)}
                 if track:
                     row.update(_tracked_peak(w, steps))
             except Exception as exc:  # one plan that fails must not hide the others

@@ -29,7 +29,7 @@ from .simulate import NON_PYTORCH_BYTES, simulate
 from .units import fmt_bytes
 from .workload import Workload
 
-__all__ = ["Advice", "advise", "default_plans", "max_batch_size", "parse_budget", "rank", "rerank", "best_of", "simulate_plan", "verify"]
+__all__ = ["Advice", "advise", "default_plans", "max_batch_size", "measure_steps", "parse_budget", "rank", "rerank", "best_of", "simulate_plan", "verify"]
 
 log = logging.getLogger(__name__)
 
@@ -381,22 +381,31 @@ def _measure(make_workload, plan: PlanFactory, steps: int, warmup: int) -> dict:
     w = make_workload()
     for s in plan():
         s.apply(w)
-    for _ in range(warmup):
-        w.step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        w.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    out = {
-        "peak_allocated": torch.cuda.max_memory_allocated(),
-        "peak_reserved": torch.cuda.max_memory_reserved(),
-        "seconds": statistics.median(times),
-    }
+    out = measure_steps(w, steps, warmup)
     del w
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def measure_steps(workload: Workload, steps: int, warmup: int, before: Callable[[], None] | None = None) -> dict:
+    """Peak allocated and reserved CUDA memory over ``steps`` steps after
+    ``warmup`` ones, and the median step time; ``before`` runs once the
+    warm-up is done (a barrier, with several ranks)."""
+    for _ in range(warmup):
+        workload.step()
+    torch.cuda.synchronize()
+    if before is not None:
+        before()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        workload.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return {
+        "peak_allocated": torch.cuda.max_memory_allocated(),
+        "peak_reserved": torch.cuda.max_memory_reserved(),
+        "seconds": statistics.median(times),
+    }

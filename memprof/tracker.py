@@ -574,7 +574,10 @@ class Tracker:
             # A sharded parameter (DTensor) computes on its mesh's device, also
             # when FSDP keeps its shard on the host (CPU offload).
             mesh = getattr(p, "device_mesh", None)
-            device = torch.device(mesh.device_type) if mesh is not None else p.device if p is not None else torch.device("cpu")
+            if mesh is not None:
+                device = torch.device(mesh.device_type)
+            else:
+                device = p.device if p is not None else torch.device("cpu")
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError):

@@ -61,17 +61,18 @@ def fsdp_units(model: nn.Module) -> dict:
     return {"blocks": [n for n, _ in blocks], "largest_block_bytes": max(sizes, default=0), "root_bytes": total - sum(sizes)}
 
 
-def rebuild_optimizer(opt: torch.optim.Optimizer, params) -> torch.optim.Optimizer:
-    """A fresh optimizer of ``opt``'s class and settings over ``params`` (after
-    the model's parameters were replaced by their shards)."""
+def optimizer_settings(opt: torch.optim.Optimizer) -> dict:
+    """``opt``'s settings, to build it again over the sharded parameters: the
+    entries of its ``defaults`` its constructor takes (AdamW's defaults hold
+    one that, in some torch versions, it does not)."""
     accepted = inspect.signature(type(opt).__init__).parameters
-    return type(opt)(params, **{k: v for k, v in opt.defaults.items() if k in accepted})
+    return {k: v for k, v in opt.defaults.items() if k in accepted}
 
 
 def _in_block(phase: str, blocks: list[str]) -> bool:
     """Whether a sample's phase (``backward:Model.layers.3.mlp``) falls inside one of ``blocks``."""
-    path = phase.split(":", 1)[1].split(".", 1)[1] if phase.count(".") and ":" in phase else ""
-    return any(path == b or path.startswith(b + ".") for b in blocks)
+    path = phase.partition(":")[2].partition(".")[2]
+    return bool(path) and any(path == b or path.startswith(b + ".") for b in blocks)
 
 
 def _ceil_div(a: int, n: int) -> int:
@@ -113,9 +114,7 @@ class ZeRO(Strategy):
             from torch.nn.parallel import DistributedDataParallel
 
             workload.model = DistributedDataParallel(model, gradient_as_bucket_view=True)
-            accepted = inspect.signature(type(opt).__init__).parameters
-            defaults = {k: v for k, v in opt.defaults.items() if k in accepted}
-            workload.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(opt), **defaults)
+            workload.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(opt), **optimizer_settings(opt))
         else:
             from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -123,7 +122,7 @@ class ZeRO(Strategy):
             for _, block in find_blocks(model):
                 fully_shard(block, **kwargs)
             fully_shard(model, **kwargs)
-            workload.optimizer = rebuild_optimizer(opt, model.parameters())
+            workload.optimizer = type(opt)(model.parameters(), **optimizer_settings(opt))
         workload.applied.append(self.name)
 
     # -- simulated -----------------------------------------------------------

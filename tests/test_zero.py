@@ -9,7 +9,7 @@ from torch import nn
 
 import memprof
 from memprof.strategies import Autocast, Checkpointing, StateOffload, ZeRO, find_blocks
-from memprof.strategies.zero import _in_block, fsdp_units, rebuild_optimizer
+from memprof.strategies.zero import _in_block, fsdp_units, optimizer_settings
 from memprof.workload import Workload
 from models import FF, MiB
 
@@ -108,14 +108,14 @@ def test_zero_applies_with_torch_engines_and_trains_the_same(one_rank, plan):
     assert losses == pytest.approx(expected, rel=tol)
 
 
-def test_rebuild_optimizer_passes_only_what_the_constructor_takes():
-    p = nn.Parameter(torch.zeros(3))
-    opt = torch.optim.AdamW([p], lr=3e-4, weight_decay=0.2)
+def test_optimizer_settings_are_what_the_constructor_takes():
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(3))], lr=3e-4, weight_decay=0.2)
+    settings = optimizer_settings(opt)
     # AdamW's defaults hold a key its constructor does not take in some torch
-    # versions ('decoupled_weight_decay'): only accepted ones are passed on.
-    new = rebuild_optimizer(opt, [nn.Parameter(torch.zeros(3))])
-    assert type(new) is torch.optim.AdamW and new is not opt
+    # versions ('decoupled_weight_decay'): only accepted ones are kept.
+    new = torch.optim.AdamW([nn.Parameter(torch.zeros(3))], **settings)
     assert {k: new.defaults[k] for k in ("lr", "weight_decay")} == {"lr": 3e-4, "weight_decay": 0.2}
+    assert set(settings) <= set(opt.defaults)
 
 
 def test_fsdp_units_and_block_phases():
