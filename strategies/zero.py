@@ -96,9 +96,6 @@ class ZeRO(Strategy):
         self.stage, self.world_size, self.offload = stage, world_size, offload
         self.name = f"zero{stage}x{world_size}" + ("_offload" if offload else "")
 
-    def sharded(self) -> tuple[Category, ...]:
-        return _STATES[::-1][: self.stage]
-
     # -- for real ------------------------------------------------------------
     def apply(self, workload: Workload) -> None:
         import torch.distributed as dist

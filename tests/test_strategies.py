@@ -518,12 +518,6 @@ def test_state_offload_is_zero3_offload_on_one_rank(ff_baseline):
     assert base.peak_allocated - pred.peak_allocated == 25 * MiB - 3 * 2 * MiB
 
 
-def test_zero_sharded_categories():
-    assert [c.value for c in ZeRO(1, 8).sharded()] == ["optimizer_state"]
-    assert [c.value for c in ZeRO(2, 8).sharded()] == ["optimizer_state", "gradients"]
-    assert [c.value for c in ZeRO(3, 8).sharded()] == ["optimizer_state", "gradients", "parameters"]
-
-
 def test_zero_one_rank_changes_nothing(ff_baseline):
     base = ff_baseline
     pred = simulate_plan(make_ff_workload(), lambda: [ZeRO(3, 1)], H100, baseline=base.report)
