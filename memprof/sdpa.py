@@ -1,0 +1,305 @@
+"""Which kernel ``scaled_dot_product_attention`` runs on a CUDA GPU, by PyTorch's rules.
+
+A port of ``select_sdp_backend`` and the ``can_use_*_attention`` checks of
+``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` (with the helpers of
+``sdp_utils_cpp.h``), for torch 2.11 and later on NVIDIA GPUs. It reads only
+what those functions read (shapes, strides, storage offsets, dtypes,
+``requires_grad``, the mask, dropout, ``is_causal``, ``enable_gqa``, the
+target's compute capability, the cuDNN version and the global SDPA switches),
+so it runs on meta tensors for a GPU that is not there, and a CUDA test checks
+it against PyTorch's own functions on a real GPU (tests/test_sdpa_cuda.py).
+
+The kernel matters for memory: flash and cuDNN save the output and one
+log-sum-exp per query row; memory-efficient attention also pads and expands
+an explicit mask; the math fallback materialises the score matrix (and, with
+grouped heads, copies of the keys and values), several times the rest of the
+layer at long sequences.
+
+cuDNN attention comes first on Hopper and Blackwell when the cuDNN runtime is
+newer than 9.15 (``check_prefer_cudnn_attention``), which is the case for the
+CUDA 13 wheels of torch 2.11 (cuDNN 9.19). A simulation on a machine without
+a GPU cannot ask the runtime, so it assumes :data:`DEFAULT_CUDNN`, the cuDNN of
+those wheels, unless a CUDA build of torch reports its own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["DEFAULT_CUDNN", "Environment", "select_backend", "usable_backends"]
+
+#: cuDNN runtime assumed when none can be asked: the one torch 2.11's CUDA 13 wheels ship (9.19.0).
+DEFAULT_CUDNN = 91900
+#: CUDA runtime assumed likewise (the wheels' 13.0).
+DEFAULT_CUDA = (13, 0)
+
+# at::SDPBackend's values, as torch._C._get_sdp_priority_order() returns them.
+_BACKEND_NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+_DEFAULT_ORDER = [1, 2, 0, 3, 4]
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class Environment:
+    """What the choice depends on besides the tensors: the GPU and the software on it."""
+
+    def __init__(
+        self,
+        capability: tuple[int, int],
+        cudnn: int | None = None,
+        cuda: tuple[int, int] | None = None,
+        torch_version: tuple[int, int] | None = None,
+    ) -> None:
+        self.capability = tuple(capability)
+        self.cudnn = cudnn if cudnn is not None else _local_cudnn() or DEFAULT_CUDNN
+        self.cuda = cuda if cuda is not None else _local_cuda() or DEFAULT_CUDA
+        #: torch 2.14 changed the rules (its docs and libtorch_cuda's checks): memory-efficient attention
+        #: takes grouped heads, every fused kernel takes one shared key/value head without enable_gqa,
+        #: cuDNN needs dropout in steps of 1/16 and limits the head sizes it can differentiate.
+        version = torch_version or tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+        self.newer = version >= (2, 14)
+
+    @classmethod
+    def of(cls, gpu: Any) -> "Environment":
+        """The environment of a catalogue GPU (``memprof.devices.GPU``) or of ``(major, minor)``."""
+        capability = getattr(gpu, "compute_capability", gpu)
+        return cls(capability)
+
+    def sm(self, low: tuple[int, int], high: tuple[int, int]) -> bool:
+        return low <= self.capability <= high
+
+    def prefers_cudnn(self) -> bool:
+        # check_prefer_cudnn_attention: cuDNN > 9.15 on sm90 / sm10x (CUDA < 13: sm90, sm100, sm103 only).
+        if os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "0") in ("1", "true", "True", "ON", "on", "yes"):
+            return False
+        major, minor = self.capability
+        if self.cuda < (13, 0):
+            return self.cudnn > 91500 and major in (9, 10) and minor in (0, 3)
+        return self.cudnn > 91500 and major in (9, 10)
+
+
+def _local_cudnn() -> int | None:
+    try:
+        return torch.backends.cudnn.version() if torch.version.cuda else None
+    except Exception:  # a CUDA build without a usable cuDNN
+        return None
+
+
+def _local_cuda() -> tuple[int, int] | None:
+    if not torch.version.cuda:
+        return None
+    major, minor = torch.version.cuda.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _requires_grad(q, k, v) -> bool:
+    # input_requires_grad: any input requires grad and grad mode is on.
+    return (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+
+
+def _dtype_ok(q, k, v, allowed) -> bool:
+    return q.dtype == k.dtype == v.dtype and q.dtype in allowed
+
+
+def _shapes_4d(q, k, v) -> bool:
+    return q.dim() == k.dim() == v.dim() == 4
+
+
+def _nonzero_lengths(q, k) -> bool:
+    return q.shape[-2] != 0 and k.shape[-2] != 0
+
+
+def _last_stride_one(q, k, v, mask, ignore_singleton: bool) -> bool:
+    ok = q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+    if ignore_singleton:
+        ok = ok or q.shape[-1] == 1
+    return ok and (mask is None or mask.stride(-1) == 1)
+
+
+def _batch_and_heads(q, k, v, gqa: bool, supports_gqa: bool, env: Environment, same_heads: bool = True) -> bool:
+    # check_batch_size_and_num_heads_dense
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        return False
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    grouped = hk == hv and hk != 0 and hq % hk == 0  # check_grouped_query_attention
+    if gqa and supports_gqa:
+        return grouped
+    if env.newer and hk == hv == 1 and hq > 0:  # one shared key/value head
+        return True
+    if env.newer and not same_heads:
+        return grouped
+    return hq == hk == hv
+
+
+def _mask_shape_cudnn(q, k, mask) -> bool:
+    # check_attn_mask_shape
+    if mask is None:
+        return True
+    if mask.requires_grad:
+        return False
+    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if mask.shape[-2] not in (lq, 1) or mask.shape[-1] not in (lk, 1):
+        return False
+    if mask.dim() == 2:
+        return True
+    if mask.dim() == 4:
+        return mask.shape[0] in (1, b) and mask.shape[1] in (1, h)
+    return False
+
+
+def _gemm_alignment(q, env: Environment) -> int:
+    # minimum_gemm_alignment
+    half = q.dtype in _HALF
+    major = env.capability[0]
+    use_tc = major >= 8 or (major >= 7 and half)
+    align = 4 if major >= 8 else 1
+    if use_tc:
+        align = max(align, 128 // (16 if half else 32))
+    return align
+
+
+def _flash(q, k, v, mask, dropout, causal, gqa, env: Environment) -> bool:
+    if not torch.backends.cuda.flash_sdp_enabled() or not _shapes_4d(q, k, v) or mask is not None:
+        return False
+    d = q.shape[-1]
+    if not (d == k.shape[-1] == v.shape[-1] and d <= 256):
+        return False
+    if not env.sm((8, 0), (12, 1)):
+        return False
+    if _requires_grad(q, k, v) and (env.sm((8, 6), (8, 9)) or env.sm((12, 0), (12, 1))):
+        if not (d <= 192 or (dropout == 0.0 and d > 224)):
+            return False
+    if causal and q.shape[-2] != k.shape[-2]:
+        return False
+    if not _dtype_ok(q, k, v, _HALF if env.capability[0] >= 8 else (torch.float16,)):
+        return False
+    return (
+        _batch_and_heads(q, k, v, gqa, True, env)
+        and _nonzero_lengths(q, k)
+        and _last_stride_one(q, k, v, mask, ignore_singleton=True)
+    )
+
+
+def _efficient(q, k, v, mask, dropout, causal, gqa, env: Environment) -> bool:
+    if not torch.backends.cuda.mem_efficient_sdp_enabled() or not env.sm((5, 0), (12, 1)) or not _shapes_4d(q, k, v):
+        return False
+    dq, dv = q.shape[-1], v.shape[-1]
+    align = _gemm_alignment(q, env)
+    if not (dq == k.shape[-1] and dq % align == 0 and dq > 0 and dv % align == 0 and dv > 0):
+        return False
+    if env.newer and env.capability[0] >= 8:
+        # check_data_ptr_alignment_mem_efficient: base pointers are 256-byte aligned, so the storage offset decides.
+        step = align * q.element_size()
+        if any(t.numel() and (t.storage_offset() * t.element_size()) % step for t in (q, k, v)):
+            return False
+    if not (
+        _nonzero_lengths(q, k)
+        and _last_stride_one(q, k, v, mask, ignore_singleton=False)
+        and _batch_and_heads(q, k, v, gqa, env.newer, env)
+    ):
+        return False
+    allowed = (torch.float16, torch.float32, torch.bfloat16) if env.capability[0] >= 8 else (torch.float16, torch.float32)
+    return _dtype_ok(q, k, v, allowed)
+
+
+def _cudnn(q, k, v, mask, dropout, causal, gqa, env: Environment) -> bool:
+    if env.cudnn < 90000:
+        return False
+    if dropout > 0.0 and 91100 < env.cudnn < 91400:
+        return False
+    if not torch.backends.cuda.cudnn_sdp_enabled() or not _shapes_4d(q, k, v):
+        return False
+    if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+        return False
+    if not _dtype_ok(q, k, v, _HALF if env.capability[0] >= 8 else (torch.float16,)):
+        return False
+    if not _mask_shape_cudnn(q, k, mask) or not env.sm((8, 0), (12, 1)):
+        return False
+    if env.newer and dropout * 16.0 != math.floor(dropout * 16.0):
+        return False
+    if not (
+        _nonzero_lengths(q, k)
+        and _last_stride_one(q, k, v, mask, ignore_singleton=True)
+        and _batch_and_heads(q, k, v, gqa, True, env, same_heads=False)
+    ):
+        return False
+    return _cudnn_shapes(q, k, v, dropout, env) and _cudnn_d256_backward(q, k, v, env)
+
+
+def _sm90_or_10x(env: Environment) -> bool:
+    major, minor = env.capability
+    return (major == 9 and minor == 0) or major == 10
+
+
+def _cudnn_shapes(q, k, v, dropout, env: Environment) -> bool:
+    # check_cudnn_tensor_shapes
+    b, h = q.shape[0], q.shape[1]
+    if b > 65535 or h > 65535:
+        return False
+    s_q, s_k, d_qk, d_v = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
+    if env.cudnn < 8903 or (env.cudnn < 8906 and dropout != 0.0):
+        return False
+    limit = 128
+    if env.newer:
+        unsupported_sm107 = env.capability == (10, 7) and env.cudnn <= 92500
+        if _sm90_or_10x(env) and not unsupported_sm107 and env.cudnn > 92200:
+            limit = 256
+        elif _sm90_or_10x(env) and env.cudnn >= 91100 and d_qk == 192 and d_v == 128:
+            limit = 192
+    else:
+        if env.cudnn >= 91000 and env.capability == (9, 0):  # Hopper: head sizes up to 256 from cuDNN 9.10
+            limit = 256
+        if env.cudnn >= 91100 and env.capability[0] == 10 and d_qk == 192 and d_v == 128:
+            limit = 192
+    if d_qk > limit or d_v > limit or d_qk % 8 or d_v % 8:
+        return False
+    if env.cudnn < 8906 and s_k % 64:
+        return False
+    if env.cudnn < 90000 and (s_q < 64 or (dropout != 0.0 and (s_q % 64 or s_k % 64))):
+        return False
+    if s_k == 1 or (dropout != 0.0 and s_q == 1):
+        return False
+    return True
+
+
+def _cudnn_d256_backward(q, k, v, env: Environment) -> bool:
+    # check_cudnn_d256_bprop_head_dim (torch 2.14)
+    if not env.newer or not _requires_grad(q, k, v):
+        return True
+    unsupported_sm107 = env.capability == (10, 7) and env.cudnn <= 92500
+    if env.cudnn > 92200 and _sm90_or_10x(env) and not unsupported_sm107:
+        d_qk, d_v = q.shape[3], v.shape[3]
+        return (d_qk <= 128 and d_v <= 128) or (d_qk, d_v) in ((192, 128), (256, 256))
+    return True
+
+
+_CHECKS = {"flash": _flash, "efficient": _efficient, "cudnn": _cudnn}
+
+
+def usable_backends(q, k, v, mask, dropout: float, causal: bool, gqa: bool, gpu: Any) -> dict[str, bool]:
+    """``torch.backends.cuda.can_use_{flash,efficient,cudnn}_attention`` for these inputs on ``gpu``."""
+    env = gpu if isinstance(gpu, Environment) else Environment.of(gpu)
+    return {name: check(q, k, v, mask, dropout, causal, gqa, env) for name, check in _CHECKS.items()}
+
+
+def select_backend(q, k, v, mask, dropout: float, causal: bool, gqa: bool, gpu: Any) -> str:
+    """The kernel ``select_sdp_backend`` picks: ``flash``, ``efficient``, ``cudnn`` or ``math``."""
+    env = gpu if isinstance(gpu, Environment) else Environment.of(gpu)
+    order = list(torch._C._get_sdp_priority_order())
+    if order == _DEFAULT_ORDER and env.prefers_cudnn():
+        # priority_order(): the first CUDA call puts cuDNN first on these GPUs.
+        order = [3, 1, 2, 0, 4]
+    for backend in order:
+        name = _BACKEND_NAMES[backend]
+        if name == "math":
+            if torch.backends.cuda.math_sdp_enabled():
+                return "math"
+        elif name in _CHECKS and _CHECKS[name](q, k, v, mask, dropout, causal, gqa, env):
+            return name
+    raise RuntimeError(
+        "no attention kernel is enabled for these inputs (torch.backends.cuda SDPA switches or sdpa_kernel): "
+        "PyTorch would fail with 'No available kernel' on the GPU too"
+    )

@@ -1,0 +1,89 @@
+"""memprof.sdpa against PyTorch's own attention-kernel choice.
+
+On the CPU: the answers PyTorch 2.11 gave on an H200 for 1000 input
+combinations (benchmarks/results/sdpa-choice-nvidia-h200.json, written by
+benchmarks/sdpa_choice.py). On a GPU: PyTorch's own ``can_use_*`` functions,
+asked live over 600 combinations.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import cuda
+from memprof.sdpa import Environment, select_backend, usable_backends
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from sdpa_cases import Case, cases, make  # noqa: E402
+
+RECORDED = ROOT / "benchmarks" / "results" / "sdpa-choice-nvidia-h200.json"
+
+
+def answers(case, env, device="meta"):
+    q, k, v, mask = make(case, device)
+    out = usable_backends(q, k, v, mask, case.dropout, case.causal, case.gqa, env)
+    out["choice"] = select_backend(q, k, v, mask, case.dropout, case.causal, case.gqa, env)
+    return out
+
+
+def test_agrees_with_pytorch_2_11_on_an_h200():
+    recorded = json.loads(RECORDED.read_text())
+    facts = recorded["facts"]
+    major, minor = (int(x) for x in facts["torch"].split("+")[0].split(".")[:2])
+    cuda_version = tuple(int(x) for x in facts["cuda"].split(".")[:2])
+    env = Environment(tuple(facts["capability"]), cudnn=facts["cudnn"], cuda=cuda_version, torch_version=(major, minor))
+    rows = recorded["cases"]
+    assert len(rows) == 1000
+    wrong = [(r["case"], r["torch"], mine) for r in rows if (mine := answers(Case(**r["case"]), env)) != r["torch"]]
+    assert wrong == []
+    # the grid covers every kernel
+    assert {r["torch"]["choice"] for r in rows} == {"math", "flash", "efficient", "cudnn"}
+
+
+def test_rules_follow_the_target_and_the_switches():
+    q = torch.empty(2, 8, 128, 64, dtype=torch.bfloat16, device="meta")
+    hopper = Environment((9, 0), cudnn=91900, cuda=(13, 0), torch_version=(2, 11))
+    older_cudnn = Environment((9, 0), cudnn=91000, cuda=(13, 0), torch_version=(2, 11))
+    assert select_backend(q, q, q, None, 0.0, True, False, hopper) == "cudnn"
+    assert select_backend(q, q, q, None, 0.0, True, False, older_cudnn) == "flash"  # cuDNN first only after 9.15
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        assert select_backend(q, q, q, None, 0.0, True, False, hopper) == "flash"
+        torch.backends.cuda.enable_flash_sdp(False)
+        assert select_backend(q, q, q, None, 0.0, True, False, hopper) == "efficient"
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        assert select_backend(q, q, q, None, 0.0, True, False, hopper) == "math"
+        torch.backends.cuda.enable_math_sdp(False)
+        with pytest.raises(RuntimeError, match="no attention kernel is enabled"):
+            select_backend(q, q, q, None, 0.0, True, False, hopper)
+    finally:
+        for enable in ("enable_cudnn_sdp", "enable_flash_sdp", "enable_mem_efficient_sdp", "enable_math_sdp"):
+            getattr(torch.backends.cuda, enable)(True)
+
+
+@cuda
+@pytest.mark.cuda
+def test_agrees_with_pytorch_on_this_gpu():
+    """PyTorch's own can_use_* and _fused_sdp_choice, asked on this GPU, over 600 combinations."""
+    props = torch.cuda.get_device_properties(0)
+    env = Environment((props.major, props.minor))
+    names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
+    wrong = []
+    grid = cases(600, seed=1)
+    for case in grid:
+        q, k, v, mask = make(case, "cuda")
+        params = torch.backends.cuda.SDPAParams(q, k, v, mask, case.dropout, case.causal, case.gqa)
+        theirs = {
+            "flash": torch.backends.cuda.can_use_flash_attention(params),
+            "efficient": torch.backends.cuda.can_use_efficient_attention(params),
+            "cudnn": torch.backends.cuda.can_use_cudnn_attention(params),
+            "choice": names[int(torch._fused_sdp_choice(q, k, v, mask, case.dropout, case.causal, enable_gqa=case.gqa))],
+        }
+        mine = answers(case, env)
+        if mine != theirs:
+            wrong.append((case, theirs, mine))
+    assert len(grid) >= 300 and wrong == []
