@@ -18,35 +18,45 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["LOWER_PRECISION", "FP32", "FP32_SET_OPT_DTYPE", "PROMOTE", "AutocastPolicy"]
 
+# The lists of aten/src/ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP,
+# AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE), named as
+# the torch functions that reach them: Python operators (``__matmul__``,
+# ``__pow__``) and the composites whose only work is a listed op
+# (``nll_loss_nd`` is how F.nll_loss and cross-entropy reach ``nll_loss``).
+
 #: Ops that run in the autocast dtype (fp16 or bf16).
 LOWER_PRECISION = frozenset(
     """
     _convolution conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d convolution
     prelu addmm addmv addr matmul __matmul__ __rmatmul__ einsum mm mv linalg_vecdot linear addbmm baddbmm bmm
-    chain_matmul linalg_multi_dot multi_dot lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
-    scaled_dot_product_attention _scaled_dot_product_attention
+    chain_matmul linalg_multi_dot _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell
+    rnn_relu_cell _scaled_dot_product_flash_attention scaled_dot_product_attention
     """.split()
 )
 
 #: Ops that run in float32.
 FP32 = frozenset(
     """
-    __pow__ __rdiv__ __rpow__ __rtruediv__ acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt
-    sinh tan pow softplus layer_norm native_layer_norm group_norm frobenius_norm nuclear_norm cosine_similarity
-    poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div l1_loss
-    smooth_l1_loss huber_loss mse_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss
-    triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp
-    cross_entropy norm normalize
+    acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow __pow__ __rpow__ softplus
+    layer_norm native_layer_norm group_norm frobenius_norm nuclear_norm cosine_similarity poisson_nll_loss
+    cosine_embedding_loss nll_loss nll_loss2d nll_loss_nd hinge_embedding_loss kl_div l1_loss smooth_l1_loss
+    huber_loss mse_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss
+    multi_margin_loss binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp upsample_nearest1d
+    _upsample_nearest_exact1d upsample_nearest2d _upsample_nearest_exact2d upsample_nearest3d
+    _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d _upsample_bilinear2d_aa upsample_trilinear3d
+    upsample_bicubic2d _upsample_bicubic2d_aa
     """.split()
 )
 
 #: float32 ops with an optional ``dtype`` argument: autocast sets it to float32
 #: unless the caller did (and only when the first argument is eligible).
-FP32_SET_OPT_DTYPE = frozenset("prod softmax log_softmax cumprod cumsum sum softmin".split())
+FP32_SET_OPT_DTYPE = frozenset(
+    "prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum".split()
+)
 
 #: Ops that run in the widest floating dtype among their arguments.
 PROMOTE = frozenset(
-    "addcdiv addcmul atan2 bilinear cross dot grid_sampler grid_sample index_put scatter_add tensordot cat stack vdot".split()
+    "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split()
 )
 
 
@@ -121,3 +131,48 @@ def _flat(args: tuple, kwargs: dict):
             yield from a
         else:
             yield a
+
+
+def cross_entropy_loss(input, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+    """``torch._C._nn.cross_entropy_loss`` as aten/src/ATen/native/LossNLL.cpp composes it.
+
+    It is a C++ composite, so on a GPU autocast meets the ops inside it:
+    ``log_softmax`` is called with the input's own dtype (autocast leaves it),
+    ``nll_loss`` is on the float32 list (autocast casts its input, and the
+    float32 copy is what backward keeps). Called from Python with the
+    simulated device's mode on, the same torch functions meet the same policy.
+    ``reduction``: 0 none, 1 mean, 2 sum (at::Reduction).
+    """
+    class_dim = 0 if input.dim() == 1 else 1
+    logp = torch.log_softmax(input, class_dim, dtype=input.dtype)
+    if target.is_floating_point():  # class probabilities
+        classes = input.shape[class_dim]
+        if label_smoothing > 0:
+            target = target * (1 - label_smoothing) + label_smoothing / classes
+        terms = logp * target
+        if weight is not None:
+            terms = terms * _along(weight, input, class_dim)
+        loss = -terms.sum(class_dim)
+        if reduction == 1:
+            return loss.sum() / (input.numel() / classes)
+        return loss.sum() if reduction == 2 else loss
+    nll = torch._C._nn.nll_loss_nd(logp, target, weight, reduction, ignore_index)
+    if label_smoothing <= 0:
+        return nll
+    ignored = target == ignore_index
+    smooth = -(logp * _along(weight, input, class_dim)).sum(class_dim) if weight is not None else -logp.sum(class_dim)
+    smooth = smooth.masked_fill(ignored, 0.0)
+    if reduction == 1:
+        if weight is not None:
+            smooth = smooth.sum() / weight.gather(0, target.masked_select(~ignored).flatten()).sum()
+        else:
+            smooth = smooth.sum() / (~ignored).sum()
+    elif reduction == 2:
+        smooth = smooth.sum()
+    return (1 - label_smoothing) * nll + smooth * (label_smoothing / input.shape[class_dim])
+
+
+def _along(weight, input, class_dim):
+    shape = [1] * input.dim()
+    shape[class_dim] = weight.shape[0]
+    return weight.view(shape)

@@ -57,9 +57,11 @@ class GPU:
     pcie_bandwidth: int
     nvlink_bandwidth: int | None
     compute_capability: tuple[int, int]
+    #: Streaming multiprocessors (datasheet), as ``get_device_properties().multi_processor_count`` reports them.
+    multiprocessors: int | None = None
 
 
-def _gpu(name, mem_gib, bw_gbps, fp16, bf16, fp32, pcie, nvlink_total_gbps, cc) -> GPU:
+def _gpu(name, mem_gib, bw_gbps, fp16, bf16, fp32, pcie, nvlink_total_gbps, cc, sms=None) -> GPU:
     """Build an entry from datasheet units (GiB, GB/s, bidirectional NVLink GB/s)."""
     return GPU(
         name=name,
@@ -72,6 +74,7 @@ def _gpu(name, mem_gib, bw_gbps, fp16, bf16, fp32, pcie, nvlink_total_gbps, cc) 
         pcie_bandwidth=pcie,
         nvlink_bandwidth=None if nvlink_total_gbps is None else int(nvlink_total_gbps * _GB) // 2,
         compute_capability=cc,
+        multiprocessors=sms,
     )
 
 
@@ -80,31 +83,31 @@ CATALOGUE: dict[str, GPU] = {
     for g in (
         # V100 SXM2: seed 000 s.7 (32 GB, 900 GB/s, 125 TFLOPS). FP32 15.7, NVLink 2.0
         # 300 GB/s, PCIe 3.0: datasheet. No BF16 before Ampere (seed 000 s.4.2).
-        _gpu("V100-32GB", 32, 900, 125.0, None, 15.7, _PCIE3, 300, (7, 0)),
+        _gpu("V100-32GB", 32, 900, 125.0, None, 15.7, _PCIE3, 300, (7, 0), sms=80),
         # A100 SXM4 40GB: not in the seeds; datasheet (1,555 GB/s, 312 TFLOPS).
-        _gpu("A100-40GB", 40, 1555, 312.0, 312.0, 19.5, _PCIE4, 600, (8, 0)),
+        _gpu("A100-40GB", 40, 1555, 312.0, 312.0, 19.5, _PCIE4, 600, (8, 0), sms=108),
         # A100 SXM4 80GB: seed 000 s.7 (2,039 GB/s, 312). FP32 19.5, NVLink 600: datasheet.
-        _gpu("A100-80GB", 80, 2039, 312.0, 312.0, 19.5, _PCIE4, 600, (8, 0)),
+        _gpu("A100-80GB", 80, 2039, 312.0, 312.0, 19.5, _PCIE4, 600, (8, 0), sms=108),
         # H100 SXM5: seed 000 s.4.3/s.7 (3,350 GB/s, 989 dense, FP32 67), NVLink 4 900 GB/s
         # (seed 000 s.9.1). Seed 001 once says "494 dense / 989 sparse": that is TF32.
-        _gpu("H100-80GB", 80, 3350, 989.0, 989.0, 67.0, _PCIE5, 900, (9, 0)),
+        _gpu("H100-80GB", 80, 3350, 989.0, 989.0, 67.0, _PCIE5, 900, (9, 0), sms=132),
         # H200 SXM: seed 000 s.7 and seed 001 (141 GB, 4,800 GB/s, 989).
-        _gpu("H200-141GB", 141, 4800, 989.0, 989.0, 67.0, _PCIE5, 900, (9, 0)),
+        _gpu("H200-141GB", 141, 4800, 989.0, 989.0, 67.0, _PCIE5, 900, (9, 0), sms=132),
         # B200 (HGX, 1000 W): seed 000 s.7 (192 GB, 8,000 GB/s, 2,250), NVLink 5 1,800 GB/s
         # (s.9.1). FP32 80: datasheet. Host links run at PCIe 5.0 on HGX B200 boards.
-        _gpu("B200-192GB", 192, 8000, 2250.0, 2250.0, 80.0, _PCIE5, 1800, (10, 0)),
+        _gpu("B200-192GB", 192, 8000, 2250.0, 2250.0, 80.0, _PCIE5, 1800, (10, 0), sms=148),
         # L40S: seed 000 s.7 (48 GB, 864 GB/s, 366). Datasheet prints 362.05 dense;
         # FP32 91.6, PCIe 4.0, no NVLink: datasheet.
-        _gpu("L40S-48GB", 48, 864, 366.0, 366.0, 91.6, _PCIE4, None, (8, 9)),
+        _gpu("L40S-48GB", 48, 864, 366.0, 366.0, 91.6, _PCIE4, None, (8, 9), sms=142),
         # RTX 4090: seed 000 s.3.2 (1,008 GB/s), seed 001 (165 TFLOPS FP16 tensor).
         # FP32 82.6: datasheet. GeForce cards run FP32-accumulate at half the FP16 rate.
-        _gpu("RTX4090-24GB", 24, 1008, 165.2, 165.2, 82.6, _PCIE4, None, (8, 9)),
+        _gpu("RTX4090-24GB", 24, 1008, 165.2, 165.2, 82.6, _PCIE4, None, (8, 9), sms=128),
         # RTX 3090: datasheet throughout (936 GB/s, 71 TFLOPS FP32-acc, 35.6 FP32);
         # NVLink bridge 112.5 GB/s both directions.
-        _gpu("RTX3090-24GB", 24, 936, 71.0, 71.0, 35.6, _PCIE4, 112.5, (8, 6)),
+        _gpu("RTX3090-24GB", 24, 936, 71.0, 71.0, 35.6, _PCIE4, 112.5, (8, 6), sms=82),
         # RTX 3060 12GB: seed 003 s.1.2 (12 GB, 360 GB/s); 25.5 TFLOPS FP32-acc
         # (28 SMs x 512 FLOP/clk x 1.78 GHz) and FP32 12.7: datasheet.
-        _gpu("RTX3060-12GB", 12, 360, 25.5, 25.5, 12.7, _PCIE4, None, (8, 6)),
+        _gpu("RTX3060-12GB", 12, 360, 25.5, 25.5, 12.7, _PCIE4, None, (8, 6), sms=28),
     )
 }
 

@@ -74,8 +74,9 @@ class _Stop(BaseException):
 class _Observer:
     """The hooks that find the model and optimizer, start tracking and stop the script."""
 
-    def __init__(self, steps: int, warmup: int, timeout: float | None, on_model=None) -> None:
+    def __init__(self, steps: int, warmup: int, timeout: float | None, on_model=None, simulated: bool = False) -> None:
         self.steps, self.warmup = steps, warmup
+        self.simulated = simulated
         self.on_model = on_model
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.optimizer_steps = 0  # optimizer steps seen before tracking began
@@ -126,7 +127,15 @@ class _Observer:
         self.optimizer_steps += 1
         if self.optimizer_steps < self.warmup:
             return
-        self._pending = (self._find_model(opt), opt)
+        model = self._find_model(opt)
+        if self.simulated and not any(p.is_meta for p in model.parameters()):
+            where = next(model.parameters()).device.type if any(True for _ in model.parameters()) else "host"
+            raise _Stop(
+                f"{type(model).__name__} trains on the {where}, not on the simulated GPU: the script did not move it "
+                "to CUDA (it may pick its device from an option or an environment variable); run it the way it "
+                "trains on a GPU, e.g. pass its device option as 'cuda' after --"
+            )
+        self._pending = (model, opt)
         # Start tracking once this optimizer.step() call returns: PyTorch is
         # iterating over the step hooks, which must not change meanwhile.
         stepping = _step_frame(sys._getframe(1))
@@ -272,7 +281,7 @@ def observe_script(
         gpu = get_gpu(target)
         device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu))
 
-    observer = _Observer(steps, warmup, timeout, on_model)
+    observer = _Observer(steps, warmup, timeout, on_model, simulated=gpu is not None)
     saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
     outcome: BaseException | None = None
     try:
@@ -292,19 +301,21 @@ def observe_script(
         sys.path[:] = saved_path
         if os.getcwd() != saved_cwd:
             os.chdir(saved_cwd)
-    return _result(observer, path, list(args), outcome, gpu)
+    return _result(observer, path, list(args), outcome, device if gpu is not None else None)
 
 
-def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outcome: BaseException | None, gpu=None) -> Report:
+def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outcome: BaseException | None, device=None) -> Report:
     """The report, or the ScriptError that explains why there is none."""
     tracker, steps = observer.tracker, observer.steps
     done = tracker.step if tracker is not None else 0
     report = None
     if done:
         report = tracker.report()
-        if gpu is not None:
+        if device is not None:  # a simulated GPU
             report.source = "simulate"
-            report.meta["target"] = gpu.name
+            report.meta["target"] = device.gpu.name
+            if device.notes:
+                report.meta["simulation_notes"] = dict(device.notes)
         report.meta.update(script=str(path), script_args=args, warmup_steps=observer.warmup, observed_steps=done)
     needed = f"{observer.warmup} + {steps} optimizer steps"
 

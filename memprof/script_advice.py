@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 from .advisor import best_of, parse_budget, rank
 from .devices import GPU, get_gpu
 from .report import Report
-from .runner import observe_script
+from .runner import ScriptError, observe_script
 from .units import fmt_bytes
 from .workload import Workload
 
@@ -239,6 +239,11 @@ def advise_script(
         gpu = _local_gpu()
     record: dict = {}
     baseline = _observe(path, args, steps, [], gpu, simulate, timeout, record)
+    if not simulate and not baseline.device.startswith("cuda"):
+        raise ScriptError(
+            f"the script trains on the {baseline.device}, not on this machine's GPU: memprof advises on CUDA training; "
+            "run it the way it trains on a GPU (its device option after --), or add --target GPU to simulate one"
+        )
     baseline.meta.update(record)
     base = _prediction(baseline, [])
     plans = script_plans(world_size)

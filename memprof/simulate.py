@@ -137,7 +137,7 @@ class SimulatedAllocator(TorchDispatchMode):
     def adopt(self, tensors) -> None:
         """Count tensors that exist already (made before the simulation began)."""
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            if isinstance(t, torch.Tensor) and t.is_meta:
                 self._allocate(t.untyped_storage())
 
     def _allocate(self, storage: torch.UntypedStorage) -> None:
@@ -159,16 +159,17 @@ class SimulatedAllocator(TorchDispatchMode):
             self._workspace = self.model.malloc(cublas_workspace_bytes(self.gpu))
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for t in outs:
-            if t.device.type == "meta":
+            if t.is_meta:
                 self._allocate(t.untyped_storage())
         if not getattr(func, "is_view", False) and func.__name__.split(".")[0] not in _NO_KERNEL:
-            self._account(func, args, kwargs or {}, out, outs)
+            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            # Only the device's work takes device time: the host's own tensors (a data pipeline) do not.
+            if any(t.is_meta for t in outs) or any(t.is_meta for t in ins):
+                self._account(func, args, kwargs or {}, out, outs, ins)
         return out
 
-    def _account(self, func, args, kwargs, out, outs) -> None:
-        ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        count = flop_registry.get(func._overloadpacket)
-        flops = int(count(*args, **kwargs, out_val=out)) if count is not None else 0
+    def _account(self, func, args, kwargs, out, outs, ins) -> None:
+        flops = _flops(func, args, kwargs, out)
         nbytes = sum(t.numel() * t.element_size() for t in (*ins, *outs))
         dtype = next((t.dtype for t in ins if t.is_floating_point()), None)
         tf32 = torch.backends.cudnn.allow_tf32 and "convolution" in func.__name__
@@ -178,6 +179,27 @@ class SimulatedAllocator(TorchDispatchMode):
         self.kernels += 1
         if self.trace is not None:
             self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0)))
+
+
+def _flops(func, args: tuple, kwargs: dict, out: Any) -> int:
+    """The operator's arithmetic, by PyTorch's flop counter (torch.utils.flop_counter)."""
+    count = flop_registry.get(func._overloadpacket)
+    if count is None:
+        return 0
+    try:
+        return int(count(*args, **kwargs, out_val=out))
+    except (AssertionError, RuntimeError, ValueError):
+        # Older counters reject grouped-query attention (fewer key/value heads than query heads):
+        # the kernel does the arithmetic of keys and values repeated to the query's heads.
+        q = 1 if "backward" in func.__name__ else 0  # a backward's first argument is the output's gradient
+        if "attention" not in func.__name__ or len(args) < q + 3 or args[q].dim() != 4:
+            return 0
+        heads = args[q].shape[1]
+        k, v = (t.expand(t.shape[0], heads, *t.shape[2:]) for t in args[q + 1:q + 3])
+        try:
+            return int(count(*args[:q + 1], k, v, *args[q + 3:], **kwargs, out_val=out))
+        except (AssertionError, RuntimeError, ValueError):
+            return 0
 
 
 def simulate(
@@ -204,7 +226,7 @@ def simulate(
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     allocator = SimulatedAllocator(gpu)
-    with VirtualCUDA(gpu, allocator=allocator):
+    with VirtualCUDA(gpu, allocator=allocator) as device:
         with torch.device("meta") if on_meta else nullcontext():
             built = setup()
         model, optimizer, step = _unpack(built, step)
@@ -218,6 +240,8 @@ def simulate(
     report = prof.report()
     report.source = "simulate"
     report.meta.update(target=gpu.name, host="cpu" if not torch.cuda.is_available() else "cuda")
+    if device.notes:
+        report.meta["simulation_notes"] = dict(device.notes)
     return report
 
 

@@ -121,6 +121,7 @@ class Tracker:
         self._model = weakref.ref(model)
         self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
         self.device = self._resolve_device(model, device)
+        self._simulated = self.device.type == "meta"
         self.warmup, self.every = warmup, every
         self._counters = counters_for(self.device)
         # Steps are timed by the device's clock where it has one (a simulated
@@ -335,6 +336,8 @@ class Tracker:
                     led.add(_storage(value), Category.OPTIMIZER_STATE, module, str(key))
 
     def _on_device(self, t: torch.Tensor) -> bool:
+        if self._simulated:  # a simulated GPU's tensors are meta tensors that report device cuda
+            return t.is_meta
         d = t.device
         return d.type == self.device.type and d.index == self.device.index
 
@@ -582,6 +585,10 @@ class Tracker:
             device = torch.device(device)
         except (RuntimeError, TypeError):
             raise ValueError(f"device {device!r} is not a torch device; use e.g. 'cuda', 'cuda:1' or 'cpu'") from None
+        from .virtual_cuda import current
+
+        if current() is not None and device.type in ("cuda", "meta"):
+            return torch.device("meta")  # the simulated GPU
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device

@@ -1,86 +1,77 @@
 """A simulated CUDA device for machines without one (or to stand in for another GPU).
 
-Inside ``VirtualCUDA(target)`` a training step written for CUDA runs on meta
+Inside ``VirtualCUDA(target)`` a training script written for CUDA runs on meta
 tensors, which carry shapes and dtypes but no data, so nothing is computed
-and any model size fits:
+and any model size fits. The script sees the target GPU wherever it looks:
 
-* ``device="cuda"``, ``.cuda()`` and ``.to("cuda")`` make meta tensors;
-  ``torch.cuda.is_available()`` and friends describe the target GPU, so
-  scripts pick the code path they would take there;
-* CUDA autocast's policy is applied (``memprof.autocast_policy``), since
+* ``device="cuda"``, ``.cuda()``, ``.to("cuda")`` (and ``device=0``) make meta
+  tensors, which report ``device == cuda:0`` and ``is_cuda``; so libraries and
+  PyTorch's own Python code (optimizers picking ``foreach`` or ``fused``
+  kernels, ``GradScaler``, checkpointing, ``autocast(device_type=x.device.type)``)
+  take the paths they take on a GPU;
+* ``torch.cuda`` and ``torch.accelerator`` answer as the target would:
+  properties from the catalogue, memory from the simulated allocator
+  (``memory_allocated``, ``max_memory_allocated``, ``mem_get_info``,
+  ``memory_stats``), streams and events that time with the simulated clock,
+  seeds, synchronisation and graph-capture checks that do nothing; on a
+  CPU-only build and on a CUDA build with no visible GPU alike;
+* pinned host memory (``pin_memory()``, ``pin_memory=True``, a DataLoader's
+  pinning thread) is plain host memory, which costs the device nothing;
+* CUDA autocast's op policy is applied (``memprof.autocast_policy``), since
   PyTorch's autocast only acts on real CUDA tensors;
-* ``scaled_dot_product_attention`` runs the kernel the target would pick
-  (flash, memory-efficient or math, by dtype, head size, mask and compute
-  capability), so the simulated step saves what that kernel saves;
-* optimizers that would default to their ``foreach`` implementation on CUDA
-  use it here too (on meta tensors PyTorch falls back to per-tensor loops,
-  which allocate different temporaries);
-* ``.item()``, ``float()``, ``int()`` of a simulated tensor return 1 and
-  ``bool()`` returns False, so logging and simple data-dependent branches run
-  (they take the branch those values take).
+* ``scaled_dot_product_attention`` runs the kernel PyTorch would pick on the
+  target (``memprof.sdpa``), with the mask conversions and padding that
+  PyTorch's dispatcher adds around it;
+* small tensors keep their values (``memprof.values``): ``.item()``,
+  ``bool()``, ``.tolist()`` and ops like ``nonzero`` work on them; on large
+  tensors ``.item()`` returns 1 and ``bool()`` False, so logging and simple
+  data-dependent branches run (they take the branch those values take);
+* ``torch.compile`` runs the model eagerly (logged once; the report says so),
+  and ``torch.save`` writes nothing, so a simulation never replaces a real
+  checkpoint with one of meta tensors.
 
-The ``torch.cuda`` functions are replaced for the duration of the block: on a
-CPU-only build there is no CUDA runtime to hook, and a simulation must answer
-the script's questions the way the target would. Everything is restored on
-exit, exceptions included. Memory is counted by a ``SimulatedAllocator``
-(``memprof.simulate``) that the block installs.
+The replaced functions are restored on exit, exceptions included. Memory is
+counted by a ``SimulatedAllocator`` (``memprof.simulate``) that the block
+installs.
 """
 
 from __future__ import annotations
 
 import logging
-from types import FunctionType, SimpleNamespace
+import sys
+import weakref
 from contextlib import ExitStack
+from types import FunctionType, SimpleNamespace
 from typing import Any, Callable
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
-from .autocast_policy import AutocastPolicy
+from .autocast_policy import AutocastPolicy, cross_entropy_loss
 from .devices import GPU, get_gpu
+from .sdpa import Environment, select_backend
+from .values import Values
 
-__all__ = ["VirtualCUDA", "current", "sdpa_backend"]
+__all__ = ["VirtualCUDA", "current"]
 
 log = logging.getLogger(__name__)
 
 _current: "VirtualCUDA | None" = None
 
-_HALF = (torch.float16, torch.bfloat16)
+_CUDA0 = torch.device("cuda", 0)
+_META = torch.device("meta")
+# The descriptors behind Tensor.device and Tensor.is_cuda: their getters reach a
+# torch-function mode as ``descriptor.__get__``. The mode, not the class, answers
+# for them: PyTorch's own meta kernels written in Python read ``.device`` with the
+# mode off and must see meta.
+_DEVICE = torch._C.TensorBase.__dict__["device"]
+_IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
 
 
 def current() -> "VirtualCUDA | None":
     """The active virtual device, if any."""
     return _current
-
-
-def sdpa_backend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    capability: tuple[int, int],
-    enable_gqa: bool = False,
-) -> str:
-    """The attention kernel PyTorch would pick on a GPU of ``capability``.
-
-    The main eligibility checks of aten/src/ATen/native/transformers/cuda/
-    sdp_utils.cpp, in its priority order (flash, then memory-efficient, then
-    math): flash needs fp16/bf16, sm80+, no explicit mask, a head size that is
-    a multiple of 8 up to 256; memory-efficient takes fp32 too and a mask,
-    with the head size a multiple of 8 (half) or 4 (float), but not grouped
-    heads.
-    """
-    d = q.shape[-1]
-    same = q.dtype == k.dtype == v.dtype and k.shape[-1] == d and v.shape[-1] == d
-    grouped = enable_gqa and q.dim() >= 3 and k.shape[-3] != q.shape[-3]
-    if same and q.dtype in _HALF and capability >= (8, 0) and attn_mask is None and d % 8 == 0 and d <= 256:
-        return "flash"
-    if same and not grouped and capability >= (5, 0):
-        align = 8 if q.dtype in _HALF else 4
-        if d % align == 0 and (q.dtype is not torch.bfloat16 or capability >= (8, 0)):
-            return "efficient"
-    return "math"
 
 
 def _is_cuda(device: Any) -> bool:
@@ -91,37 +82,67 @@ def _is_cuda(device: Any) -> bool:
     return False
 
 
+def _device_arg(device: Any) -> Any:
+    """``device`` with CUDA (a name, a torch.device or a bare index) turned into meta."""
+    if _is_cuda(device) or (isinstance(device, int) and not isinstance(device, bool)):
+        return _META
+    return device
+
+
 class _Mode(TorchFunctionMode):
-    """Device redirection, fake scalars, autocast and SDPA choice, at the torch-function level."""
+    """Device redirection, values, autocast and kernel choice, at the torch-function level."""
 
     def __init__(self, vc: "VirtualCUDA") -> None:
         super().__init__()
         self.vc = vc
         self.autocast = AutocastPolicy("meta")
 
+    def _leave(self, t: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``t.to("cpu", ...)``: the values where known or small, else ``t`` itself (too large to make up)."""
+        out = _host_copy(self.vc, t)
+        dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
+        return out.to(dtype) if dtype is not None and not out.is_meta else out
+
     def _backward(self, *args, **kwargs):
         return _run_backward(self, *args, **kwargs)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        if owner is _DEVICE:
+            return _CUDA0 if args[0].is_meta else func(*args)
+        if owner is _IS_CUDA:
+            return True if args[0].is_meta else func(*args)
         name = getattr(func, "__name__", "")
-        if "device" in kwargs and _is_cuda(kwargs["device"]):
-            kwargs = {**kwargs, "device": "meta"}
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": _device_arg(kwargs["device"])}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         if name == "cuda":
-            return torch.Tensor.to(args[0], "meta")
+            return _to_meta(*args, **kwargs)
         if name == "to":
-            args = tuple("meta" if _is_cuda(a) else a for a in args)
-        elif name == "cpu" and args[0].device.type == "meta":
-            return args[0]
-        elif name in ("item", "__float__", "__int__", "__index__", "__bool__") and _on_meta(args[0]):
-            return _fake_scalar(args[0], name)
-        elif name == "tolist" and _on_meta(args[0]):
-            return torch.ones(args[0].shape, dtype=args[0].dtype).tolist()
+            args = (args[0], *(_device_arg(a) if not isinstance(a, torch.Tensor) else a for a in args[1:]))
+            if _on_meta(args[0]) and _to_host(args[1:], kwargs):
+                return self._leave(args[0], args[1:], kwargs)
+        elif name == "copy_" and len(args) > 1 and _on_meta(args[1]) and not _on_meta(args[0]):
+            known = self.vc.values.shadow(args[1])  # device-to-host copy: the values, where known
+            return args[0].copy_(known) if known is not None else args[0]
+        elif name in _ON_META and args and _on_meta(args[0]):
+            return _ON_META[name](self.vc, *args, **kwargs)
         elif name.startswith("_amp_") or name == "_foreach_non_finite_check_and_unscale_":
-            return None  # GradScaler's inf checks: in place, no memory, no data to check
+            return None  # GradScaler's inf checks and scale update: no inf is found, the scale stays
+        if name == "dropout" and not isinstance(func, FunctionType) and args and _on_meta(args[0]):
+            return _dropout(*args, **kwargs)
+        if name == "cross_entropy_loss" and torch.is_autocast_enabled("cuda"):
+            with self:  # composed from torch functions, which meet the policy
+                return cross_entropy_loss(*args, **kwargs)
         casted = self.autocast(name, args, kwargs)
         if casted is not None:
             args, kwargs = casted
+            if name in _HALF_TO_FLOAT and _half_to_float(args, kwargs):
+                # SoftMax.cpp: on CUDA a float16 input with dtype=float32 runs one
+                # kernel that reads half and writes float, without a float copy.
+                return _HALF_TO_FLOAT[name](args[0], _arg(args, kwargs, 1, "dim"), True)
         if name == "scaled_dot_product_attention":
             return self.vc._sdpa(*args, **kwargs)
         if func is torch.Tensor.backward:
@@ -135,6 +156,95 @@ class _Mode(TorchFunctionMode):
                 return _unchecked(func)(*args, **kwargs)
         return func(*args, **kwargs)
 
+
+def _dropout(input: torch.Tensor, p: float = 0.5, train: bool = True) -> torch.Tensor:
+    """``torch.dropout`` as on CUDA (Dropout.cpp): the fused kernel, which keeps a one-byte mask,
+    where the composite used on other devices keeps a mask in the input's dtype."""
+    if train and 0 < p < 1 and input.numel() > 0:  # is_fused_kernel_acceptable
+        return torch.native_dropout(input, p, train)[0]
+    return torch.dropout(input, p, train)
+
+
+_HALF_TO_FLOAT = {"softmax": torch._softmax, "log_softmax": torch._log_softmax}
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+def _half_to_float(args: tuple, kwargs: dict) -> bool:
+    x = args[0] if args else None
+    return (
+        isinstance(x, torch.Tensor) and x.is_meta and x.dtype is torch.float16
+        and _arg(args, kwargs, 2, "dtype") is torch.float32 and isinstance(_arg(args, kwargs, 1, "dim"), int)
+    )
+
+
+def _to_host(args: tuple, kwargs: dict) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` moves to the host."""
+    for a in (*args, kwargs.get("device")):
+        if isinstance(a, torch.Tensor):
+            return not a.is_meta and a.device.type == "cpu"
+        if isinstance(a, (str, torch.device)):
+            return torch.device(a).type == "cpu"
+    return False
+
+
+def _to_meta(t: torch.Tensor, device: Any = None, non_blocking: bool = False, memory_format=torch.preserve_format):
+    return torch.Tensor.to(t, "meta", memory_format=memory_format)
+
+
+def _on_meta(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_meta
+
+
+def _scalar(vc: "VirtualCUDA", t: torch.Tensor, name: str) -> Any:
+    # A known value where the tensor is small enough to be followed; else one,
+    # not zero (a step counter or a norm read back for a division must not
+    # divide by zero), and False for truth tests (no NaN found, no early stop).
+    known = vc.values.shadow(t)
+    if known is not None:
+        return getattr(known, name)()
+    if name == "__bool__" or t.dtype is torch.bool:
+        return False
+    if name in ("__int__", "__index__") or not t.is_floating_point():
+        return 1
+    return 1.0
+
+
+def _host_copy(vc: "VirtualCUDA", t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``.cpu()`` / ``.numpy()`` / ``.tolist()`` of a simulated tensor: its values, else ones, else (too large
+    to make up) the meta tensor itself."""
+    known = vc.values.shadow(t)
+    if known is not None:
+        return known.clone()
+    if t.numel() * t.element_size() <= _MADE_UP_LIMIT:
+        return torch.ones(t.shape, dtype=t.dtype)
+    return t
+
+
+#: Largest host tensor made up for ``.cpu()`` of a tensor whose values are unknown.
+_MADE_UP_LIMIT = 16 << 20
+
+
+def _format(vc: "VirtualCUDA", t: torch.Tensor, spec: str) -> str:
+    if t.dim() == 0:
+        return format(_scalar(vc, t, "item"), spec)
+    return format(str(t), spec)
+
+
+_ON_META: dict[str, Callable] = {
+    "item": lambda vc, t: _scalar(vc, t, "item"),
+    "__float__": lambda vc, t: _scalar(vc, t, "__float__"),
+    "__int__": lambda vc, t: _scalar(vc, t, "__int__"),
+    "__index__": lambda vc, t: _scalar(vc, t, "__index__"),
+    "__bool__": lambda vc, t: _scalar(vc, t, "__bool__"),
+    "__format__": _format,
+    "tolist": lambda vc, t: _host_copy(vc, t).tolist(),
+    "numpy": lambda vc, t, **kw: _host_copy(vc, t).numpy(),
+    "cpu": lambda vc, t, **kw: _host_copy(vc, t),
+    "get_device": lambda vc, t: 0,
+}
 
 _PYTHON_FUNCTIONALS = frozenset({"torch.nn.functional", "torch.functional"})
 _unchecked_cache: dict[Callable, Callable] = {}
@@ -183,72 +293,154 @@ def _run_backward(mode: "_Mode", tensor, gradient=None, retain_graph=None, creat
         )
 
 
-def _on_meta(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == "meta"
-
-
-def _fake_scalar(t: torch.Tensor, name: str) -> Any:
-    # One, not zero: a step counter or a norm read back for a division must
-    # not divide by zero. Truth tests answer False (no NaN found, no early stop).
-    if name == "__bool__" or t.dtype is torch.bool:
-        return False
-    if name in ("__int__", "__index__") or not t.is_floating_point():
-        return 1
-    return 1.0
-
-
 class VirtualCUDA:
     """Run CUDA training code on meta tensors as if on ``target`` (see the module docstring)."""
 
     def __init__(self, target: str | GPU = "H100-80GB", allocator: Any = None) -> None:
         self.gpu = get_gpu(target)
         self.allocator = allocator
+        self.values = Values()
+        self.sdpa = Environment.of(self.gpu)
+        #: What the script asked for that runs differently here (e.g. torch.compile), for the report.
+        self.notes: dict[str, str] = {}
         self._stack: ExitStack | None = None
 
     # -- the torch.cuda API as the target answers it ---------------------------
-    def _cuda_api(self) -> dict[str, Callable]:
-        gpu, alloc = self.gpu, self.allocator
+    def _cuda_api(self) -> dict[str, Any]:
+        gpu, vc = self.gpu, self
         props = SimpleNamespace(
             name=gpu.name,
             total_memory=gpu.memory_bytes,
             major=gpu.compute_capability[0],
             minor=gpu.compute_capability[1],
-            multi_processor_count=132,
+            multi_processor_count=gpu.multiprocessors or 1,
             is_integrated=False,
+            is_multi_gpu_board=False,
+            max_threads_per_multi_processor=2048,
+            warp_size=32,
+            uuid="00000000-0000-0000-0000-000000000000",
+            pci_bus_id=0,
+            pci_device_id=0,
+            pci_domain_id=0,
+            gcnArchName=gpu.name,
         )
-        api: dict[str, Callable] = {
+        return {
             "is_available": lambda: True,
             "is_initialized": lambda: True,
+            "init": lambda: None,
             "_lazy_init": lambda: None,
             "device_count": lambda: 1,
             "current_device": lambda: 0,
             "set_device": lambda device: None,
             "synchronize": lambda device=None: None,
+            "ipc_collect": lambda: None,
             "get_device_name": lambda device=None: gpu.name,
             "get_device_capability": lambda device=None: gpu.compute_capability,
             "get_device_properties": lambda device=None: props,
+            "get_arch_list": lambda: [f"sm_{gpu.compute_capability[0]}{gpu.compute_capability[1]}"],
             "is_bf16_supported": lambda including_emulation=True: gpu.bf16,
+            "is_tf32_supported": lambda: gpu.compute_capability >= (8, 0),
             "manual_seed": lambda seed: None,
             "manual_seed_all": lambda seed: None,
             "seed": lambda: None,
+            "seed_all": lambda: None,
             "initial_seed": lambda: 0,
-            "get_rng_state": lambda device=None: torch.zeros(16, dtype=torch.uint8, device="cpu"),
-            "set_rng_state": lambda state, device=None: None,
-            "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8, device="cpu")],
+            "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+            "set_rng_state": lambda state, device="cuda": None,
+            "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8)],
             "set_rng_state_all": lambda states: None,
             "device": _NoDevice,
-            "empty_cache": lambda: alloc.empty_cache() if alloc else None,
+            "device_of": _NoDevice,
+            "Stream": _Stream,
+            "ExternalStream": _Stream,
+            "Event": lambda *a, **k: _Event(vc),
+            "stream": _StreamContext,
+            "current_stream": lambda device=None: _STREAM,
+            "default_stream": lambda device=None: _STREAM,
+            "set_stream": lambda stream: None,
+            "is_current_stream_capturing": lambda: False,
+            "empty_cache": lambda: vc._counters("empty_cache"),
+            "memory_allocated": lambda device=None: vc._counters("allocated"),
+            "max_memory_allocated": lambda device=None: vc._counters("peak_allocated"),
+            "memory_reserved": lambda device=None: vc._counters("reserved"),
+            "max_memory_reserved": lambda device=None: vc._counters("peak_reserved"),
+            "memory_cached": lambda device=None: vc._counters("reserved"),
+            "max_memory_cached": lambda device=None: vc._counters("peak_reserved"),
+            "reset_peak_memory_stats": lambda device=None: vc._counters("reset_peak"),
+            "reset_max_memory_allocated": lambda device=None: vc._counters("reset_peak"),
+            "reset_accumulated_memory_stats": lambda device=None: None,
+            "memory_stats": lambda device=None: vc.memory_stats(),
+            "memory_summary": lambda device=None, abbreviated=False: vc.memory_summary(),
+            "mem_get_info": lambda device=None: vc.mem_get_info(),
+            "set_per_process_memory_fraction": lambda fraction, device=None: None,
+            "utilization": lambda device=None: 100,
+            "list_gpu_processes": lambda device=None: f"GPU:0 (simulated {gpu.name})\nno processes are running",
         }
-        if alloc is not None:
-            api.update(
-                memory_allocated=lambda device=None: alloc.read().allocated,
-                max_memory_allocated=lambda device=None: alloc.read().peak_allocated,
-                memory_reserved=lambda device=None: alloc.read().reserved,
-                max_memory_reserved=lambda device=None: alloc.read().peak_reserved,
-                reset_peak_memory_stats=lambda device=None: alloc.reset_peak(),
-                mem_get_info=lambda device=None: (gpu.memory_bytes - alloc.read().reserved, gpu.memory_bytes),
-            )
-        return api
+
+    def _accelerator_api(self) -> dict[str, Any]:
+        vc = self
+        return {
+            "is_available": lambda: True,
+            "device_count": lambda: 1,
+            "current_accelerator": lambda check_available=False: torch.device("cuda"),
+            "current_device_index": lambda: 0,
+            "current_device_idx": lambda: 0,
+            "set_device_index": lambda device: None,
+            "set_device_idx": lambda device: None,
+            "device_index": _NoDevice,
+            "current_stream": lambda device=None: _STREAM,
+            "set_stream": lambda stream: None,
+            "synchronize": lambda device=None: None,
+            "empty_cache": lambda: vc._counters("empty_cache"),
+            "memory_allocated": lambda device_index=None: vc._counters("allocated"),
+            "max_memory_allocated": lambda device_index=None: vc._counters("peak_allocated"),
+            "memory_reserved": lambda device_index=None: vc._counters("reserved"),
+            "max_memory_reserved": lambda device_index=None: vc._counters("peak_reserved"),
+            "reset_peak_memory_stats": lambda device_index=None: vc._counters("reset_peak"),
+            "memory_stats": lambda device_index=None: vc.memory_stats(),
+            "get_memory_info": lambda device_index=None: vc.mem_get_info(),
+        }
+
+    def _counters(self, what: str) -> Any:
+        alloc = self.allocator
+        if alloc is None:
+            return None if what in ("empty_cache", "reset_peak") else 0
+        if what == "empty_cache":
+            return alloc.empty_cache()
+        if what == "reset_peak":
+            return alloc.reset_peak()
+        return getattr(alloc.read(), what)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) as ``cudaMemGetInfo`` would answer on the target: total less what is in use."""
+        total = self.gpu.memory_bytes
+        used = self.allocator.nvml_used() if self.allocator is not None else 0
+        return max(total - used, 0), total
+
+    def memory_stats(self) -> dict[str, int]:
+        """The main keys of ``torch.cuda.memory_stats()``, from the simulated allocator."""
+        if self.allocator is None:
+            return {}
+        c = self.allocator.read()
+        stats = {}
+        for key, current, peak in (("allocated_bytes", c.allocated, c.peak_allocated),
+                                   ("reserved_bytes", c.reserved, c.peak_reserved),
+                                   ("active_bytes", c.allocated, c.peak_allocated)):
+            for pool in ("all", "large_pool", "small_pool"):
+                stats[f"{key}.{pool}.current"] = current if pool == "all" else 0
+                stats[f"{key}.{pool}.peak"] = peak if pool == "all" else 0
+        stats.update(num_alloc_retries=0, num_ooms=0, num_sync_all_streams=0)
+        return stats
+
+    def memory_summary(self) -> str:
+        c = self.allocator.read() if self.allocator is not None else None
+        if c is None:
+            return f"simulated {self.gpu.name}: no allocator"
+        return (f"simulated {self.gpu.name}: allocated {c.allocated} B (peak {c.peak_allocated} B), "
+                f"reserved {c.reserved} B (peak {c.peak_reserved} B)")
+
+    def clock(self) -> float:
+        return self.allocator.clock() if self.allocator is not None else 0.0
 
     def __enter__(self) -> "VirtualCUDA":
         global _current
@@ -258,23 +450,36 @@ class VirtualCUDA:
         try:
             for attr, fn in self._cuda_api().items():
                 stack.enter_context(_replace(torch.cuda, attr, fn))
-            # Activation checkpointing restores the autocast state and RNG of
-            # its inputs' device for recomputation: that device is CUDA here.
+            accelerator = getattr(torch, "accelerator", None)
+            if accelerator is not None:
+                memory = getattr(accelerator, "memory", None)
+                for attr, fn in self._accelerator_api().items():
+                    for module in (accelerator, memory):
+                        if module is not None and hasattr(module, attr):
+                            stack.enter_context(_replace(module, attr, fn))
+            # On the class, not in the mode: modes are per thread, and a DataLoader pins in its own.
+            stack.enter_context(_replace(torch.Tensor, "pin_memory", _pin_memory))
+            stack.enter_context(_replace(torch.Tensor, "is_pinned", _is_pinned))
+            # One stream: nothing to record (and a simulated stream is no torch.Stream to C++'s argument parser).
+            stack.enter_context(_replace(torch.Tensor, "record_stream", _record_stream))
+            # Checkpointing compares what forward saved (recorded in autograd's hooks,
+            # where the mode is off: device meta) with what recomputation saves
+            # (compared with the mode on: device cuda); compare the simulated GPU's tensors alike.
             import torch.utils.checkpoint as ckpt
 
-            infer = getattr(ckpt, "_infer_device_type", None)
-            if infer is not None:
-                stack.enter_context(
-                    _replace(ckpt, "_infer_device_type", lambda *a: "cuda" if infer(*a) == "meta" else infer(*a))
-                )
-            accelerator = getattr(torch, "accelerator", None)
-            if accelerator is not None:  # torch >= 2.6 asks it, e.g. in the optimizer's graph-capture check
-                for attr, fn in _ACCELERATOR_API.items():
-                    if hasattr(accelerator, attr):
-                        stack.enter_context(_replace(accelerator, attr, fn))
-            stack.callback(register_optimizer_step_pre_hook(_prefer_foreach).remove)
+            checks = getattr(ckpt, "_allowed_determinism_checks_to_fns", None)
+            if isinstance(checks, dict) and "default" in checks:
+                stack.enter_context(_replace_item(checks, "default", _checkpoint_metadata))
+            for original, replacement in _foreach_support_checks():
+                for module, attr in _imported(original):
+                    stack.enter_context(_replace(module, attr, replacement))
+            stack.enter_context(_replace(torch.nn.Module, "_apply", _keeping_ties(torch.nn.Module._apply)))
+            stack.enter_context(_replace(torch, "compile", self._compile))
+            stack.enter_context(_replace(torch.nn.Module, "compile", _module_compile(self)))
+            stack.enter_context(_replace(torch, "save", self._save))
             if self.allocator is not None:
                 stack.enter_context(self.allocator)
+            stack.enter_context(self.values)
             mode = _Mode(self)
             clear = torch.clear_autocast_cache
 
@@ -297,23 +502,76 @@ class VirtualCUDA:
         if stack is not None:
             stack.close()
 
+    # -- what the script asks of PyTorch that runs differently here -----------
+    def _compile(self, model: Any = None, **kwargs: Any) -> Any:
+        """``torch.compile``: eager, with a note in the report (compiled code's memory is not simulated)."""
+        self._note_compile()
+        if model is None:  # used as @torch.compile(mode=...)
+            return lambda fn: fn
+        return model
+
+    def _note_compile(self) -> None:
+        if "torch.compile" not in self.notes:
+            self.notes["torch.compile"] = "simulated eagerly: the report shows eager-mode memory"
+            log.warning(
+                "torch.compile is simulated eagerly: the prediction is eager-mode memory (compiled code often "
+                "needs less for activations); measure on a GPU for the compiled number"
+            )
+
+    def _save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        """``torch.save`` writes nothing: a simulation has no values to save, and must not replace a checkpoint."""
+        self.notes.setdefault("torch.save", "skipped: nothing was written")
+        log.info("not writing %s: the simulation has shapes, not values", getattr(f, "name", f))
+
     # -- kernels the target would pick ----------------------------------------
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        backend = sdpa_backend(query, key, value, attn_mask, self.gpu.compute_capability, enable_gqa)
+        """``scaled_dot_product_attention`` as its CUDA dispatch runs it (aten/src/ATen/native/transformers/attention.cpp)."""
+        backend = select_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, self.sdpa)
         ops = torch.ops.aten
+        if attn_mask is not None and attn_mask.dtype is torch.bool:
+            # convert_boolean_attn_mask (and its cuDNN twin): an additive mask in the query's dtype.
+            zero = torch.zeros((), dtype=query.dtype, device=attn_mask.device)
+            attn_mask = torch.where(attn_mask, zero, torch.full_like(zero, float("-inf")))
+        if backend == "cudnn":
+            lse = _needs_logsumexp(query, key, value)
+            return ops._scaled_dot_product_cudnn_attention(
+                query, key, value, attn_mask, lse, dropout_p, is_causal, False, scale=scale
+            )[0]
         if backend == "flash":
-            if enable_gqa and key.shape[-3] != query.shape[-3]:  # flash reads grouped heads in place
-                rep = query.shape[-3] // key.shape[-3]
-                key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
-            return ops._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+            size = query.shape[-1]
+            if scale is None:
+                scale = size ** -0.5  # the original head size's scale, before padding
+            if size % 8:  # pad_last_dim<8>: the kernel takes head sizes in steps of 8
+                pad = 8 - size % 8
+                query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
+            out = ops._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+            return out[..., :size] if size % 8 else out
         if backend == "efficient":
-            need_lse = query.requires_grad or key.requires_grad or value.requires_grad
+            if attn_mask is not None:
+                attn_mask = _preprocess_mask(attn_mask, query, key)
+            lse = _needs_logsumexp(query, key, value)
             return ops._scaled_dot_product_efficient_attention(
-                query, key, value, attn_mask, need_lse, dropout_p, is_causal, scale=scale
+                query, key, value, attn_mask, lse, dropout_p, is_causal, scale=scale
             )[0]
         return ops._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]
+
+
+def _needs_logsumexp(q, k, v) -> bool:
+    # should_compute_logsumexp: the backward needs it
+    return (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+
+
+def _preprocess_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Memory-efficient attention's mask: expanded to 4-D, its last dimension padded to 16 (preprocess_mask)."""
+    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    last = mask.shape[-1]
+    if last % 16:
+        return torch.nn.functional.pad(mask, (0, 16 - last % 16))[..., :last]
+    if any(mask.stride(i) % 16 for i in range(3)):
+        return mask.contiguous()
+    return mask
 
 
 class _NoDevice:
@@ -330,30 +588,161 @@ class _NoDevice:
 
 
 class _Stream:
-    """The default stream of the simulated device: never capturing a graph."""
+    """A CUDA stream of the simulated device: one queue, in order, never capturing a graph."""
+
+    device = _CUDA0
+    cuda_stream = 0
+    stream_id = 0
+    device_index = 0
+    device_type = 1
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.priority = priority
 
     def is_capturing(self) -> bool:
         return False
 
+    def query(self) -> bool:
+        return True
+
     def synchronize(self) -> None:
-        pass
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Any:
+        return event if event is not None else _Event(current())
+
+    def __enter__(self) -> "_Stream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
-_ACCELERATOR_API: dict[str, Callable] = {
-    "is_available": lambda: True,
-    "device_count": lambda: 1,
-    "current_device_index": lambda: 0,
-    "current_stream": lambda device=None: _Stream(),
-    "synchronize": lambda device=None: None,
-}
+_STREAM = _Stream()
 
 
-def _prefer_foreach(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    # torch.optim picks foreach for CUDA tensors when neither foreach nor fused
-    # is set (_default_to_fused_or_foreach); on meta tensors it would not.
-    for group in opt.param_groups:
-        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-            group["foreach"] = True
+class _StreamContext(_NoDevice):
+    """``with torch.cuda.stream(s):``"""
+
+
+class _Event:
+    """A CUDA event on the simulated device: ``elapsed_time`` is the simulated time between records."""
+
+    def __init__(self, vc: "VirtualCUDA | None" = None) -> None:
+        self._vc = weakref.ref(vc) if vc is not None else None
+        self._at: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        vc = self._vc() if self._vc is not None else None
+        self._at = vc.clock() if vc is not None else 0.0
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: "_Event") -> float:
+        """Milliseconds, as CUDA events report them."""
+        if self._at is None or end._at is None:
+            raise RuntimeError("both events must be recorded before elapsed_time(): call record() on each")
+        return 1e3 * (end._at - self._at)
+
+
+_pinned: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+
+
+def _checkpoint_metadata(x: torch.Tensor) -> dict[str, Any]:
+    device = _DEVICE.__get__(x)
+    return {"shape": x.shape, "dtype": x.dtype, "device": _CUDA0 if device.type == "meta" else device}
+
+
+def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+    # Page-locked host memory is host memory: the device pays nothing for it.
+    if not self.is_meta:
+        _pinned.add(self)
+    return self
+
+
+def _is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+    return self in _pinned
+
+
+def _record_stream(self: torch.Tensor, stream: Any) -> None:
+    return None
+
+
+def _foreach_support_checks():
+    """PyTorch's "does this device have foreach kernels" checks, answering for meta as for CUDA."""
+    from torch.utils import _foreach_utils as fu
+
+    original = fu._device_has_foreach_support
+
+    def _device_has_foreach_support(device: torch.device) -> bool:
+        return original(_CUDA0 if device.type == "meta" else device)
+
+    yield original, _device_has_foreach_support
+
+
+def _imported(function: Callable) -> list[tuple[Any, str]]:
+    """Every (module, name) of PyTorch that holds ``function``: where it is defined and where it was imported."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name == "torch" or name.startswith("torch."):
+            for attr, value in list(getattr(module, "__dict__", {}).items()):
+                if value is function:
+                    found.append((module, attr))
+    return found
+
+
+def _keeping_ties(original: Callable) -> Callable:
+    """``nn.Module._apply`` that keeps tied parameters tied when ``.to("cuda")`` makes meta tensors.
+
+    On a GPU, ``model.to("cuda")`` swaps each parameter's ``.data`` in place, so a
+    weight shared by two modules (GPT-2's embedding and output layer) stays one
+    Parameter. A host tensor's ``.data`` cannot become a meta tensor, so
+    ``_apply`` makes a new Parameter per module instead, which would double the
+    weight, its gradient and its optimizer state; the first new Parameter is
+    given to every module that shared the old one.
+    """
+    depth = [0]
+
+    def _apply(self: torch.nn.Module, fn: Callable, recurse: bool = True) -> torch.nn.Module:
+        if depth[0]:
+            return original(self, fn, recurse)
+        before = [(m, name, p) for m in self.modules() for name, p in m._parameters.items() if p is not None]
+        depth[0] += 1
+        try:
+            out = original(self, fn, recurse)
+        finally:
+            depth[0] -= 1
+        first = WeakIdKeyDictionary()
+        for module, name, old in before:
+            new = module._parameters.get(name)
+            kept = first.get(old)
+            if kept is None:
+                first[old] = new
+            elif new is not kept:
+                module._parameters[name] = kept
+        return out
+
+    return _apply
+
+
+def _module_compile(vc: VirtualCUDA) -> Callable:
+    def compile(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        vc._note_compile()
+
+    return compile
 
 
 def _clear_current() -> None:
@@ -361,15 +750,30 @@ def _clear_current() -> None:
     _current = None
 
 
+class _replace_item:
+    """Set ``mapping[key]`` for the duration of a with block."""
+
+    def __init__(self, mapping: dict, key: Any, value: Any) -> None:
+        self.mapping, self.key, self.value = mapping, key, value
+
+    def __enter__(self) -> None:
+        self.old = self.mapping[self.key]
+        self.mapping[self.key] = self.value
+
+    def __exit__(self, *exc: object) -> None:
+        self.mapping[self.key] = self.old
+
+
 class _replace:
-    """Set ``obj.attr`` for the duration of a with block."""
+    """Set ``obj.attr`` for the duration of a with block (an inherited attribute is shadowed, then uncovered)."""
 
     def __init__(self, obj: Any, attr: str, value: Any) -> None:
         self.obj, self.attr, self.value = obj, attr, value
 
     def __enter__(self) -> None:
-        self.had = hasattr(self.obj, self.attr)
-        self.old = getattr(self.obj, self.attr, None)
+        own = vars(self.obj) if isinstance(self.obj, type) else getattr(self.obj, "__dict__", {})
+        self.had = self.attr in own
+        self.old = own.get(self.attr)
         setattr(self.obj, self.attr, self.value)
 
     def __exit__(self, *exc: object) -> None:

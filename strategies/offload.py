@@ -40,7 +40,7 @@ class ActivationOffload(Strategy):
                 alloc.seconds += nbytes / link
 
         def pack(t: torch.Tensor):
-            if t.device.type != "meta":
+            if not t.is_meta:
                 return t
             transfer(t.numel() * t.element_size())
             return (tuple(t.shape), tuple(t.stride()), t.dtype)  # the device copy is freed

@@ -2,13 +2,15 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 import torch.nn.functional as F
 from torch import nn
 
 import memprof
 from memprof.autocast_policy import AutocastPolicy
 from memprof.simulate import cublas_workspace_bytes
-from memprof.virtual_cuda import VirtualCUDA, sdpa_backend
+from memprof.sdpa import Environment, select_backend
+from memprof.virtual_cuda import VirtualCUDA
 from models import MiB, mlp, train
 
 H100 = memprof.get_gpu("h100")
@@ -82,7 +84,7 @@ def test_autocast_policy_dtypes_and_cache():
     with VirtualCUDA("h100"):
         w = torch.randn(64, 64, device="cuda", requires_grad=True)
         x = torch.randn(8, 64, device="cuda")
-        assert x.device.type == "meta"
+        assert x.is_meta and x.is_cuda and x.device == torch.device("cuda", 0)  # meta, dressed as the GPU
         with torch.autocast("cuda", dtype=torch.bfloat16):
             assert torch.is_autocast_enabled("cuda")
             y = F.linear(x, w)
@@ -129,10 +131,13 @@ def test_autocast_cache_holds_casts_until_the_region_ends():
 @pytest.mark.parametrize(
     "dtype, mask, gqa, cc, expected",
     [
-        (torch.bfloat16, False, False, (9, 0), "flash"),
+        (torch.bfloat16, False, False, (9, 0), "cudnn"),  # Hopper with cuDNN > 9.15 puts cuDNN first
+        (torch.bfloat16, False, False, (8, 0), "flash"),
         (torch.float32, False, False, (9, 0), "efficient"),
-        (torch.bfloat16, True, False, (9, 0), "efficient"),
+        (torch.bfloat16, True, False, (9, 0), "cudnn"),
+        (torch.bfloat16, True, False, (8, 0), "efficient"),
         (torch.float32, False, True, (9, 0), "math"),
+        (torch.bfloat16, False, True, (8, 0), "flash"),  # flash reads grouped heads in place
         (torch.bfloat16, False, False, (7, 0), "math"),  # V100: no bf16 kernels
         (torch.float16, False, False, (7, 0), "efficient"),
     ],
@@ -141,7 +146,8 @@ def test_sdpa_backend(dtype, mask, gqa, cc, expected):
     q = torch.empty(2, 8, 128, 64, dtype=dtype, device="meta")
     kv = torch.empty(2, 2 if gqa else 8, 128, 64, dtype=dtype, device="meta")
     m = torch.empty(128, 128, dtype=dtype, device="meta") if mask else None
-    assert sdpa_backend(q, kv, kv, m, cc, enable_gqa=gqa) == expected
+    env = Environment(cc, cudnn=91900, cuda=(13, 0), torch_version=(2, 11))
+    assert select_backend(q, kv, kv, m, 0.0, False, gqa, env) == expected
 
 
 def test_sdpa_saves_what_the_kernel_saves():
@@ -170,10 +176,14 @@ def test_scripts_see_the_target():
         assert torch.cuda.get_device_name() == "RTX4090-24GB"
         assert torch.cuda.get_device_properties(0).total_memory == 24 * 2**30
         t = torch.ones(3, device="cuda")
-        assert t.sum().item() == 1.0  # values are unknown: .item() answers 1
-        assert not bool(t.any())
+        assert t.sum().item() == 3.0  # small tensors keep their values
+        assert bool(t.all()) and (t > 0).nonzero().shape == (3, 1)
+        big = torch.ones(1 << 20, device="cuda")  # 4 MiB: values are not followed
+        assert big.sum().item() == 1.0  # .item() answers 1
+        assert not bool(big.any())  # and truth tests False
         assert torch.tensor(5.0).item() == 5.0  # real host tensors keep their values
-        assert torch.ones(2).cuda().device.type == "meta"
+        moved = torch.ones(2).cuda()
+        assert moved.is_meta and moved.device.type == "cuda" and moved.tolist() == [1.0, 1.0]
     assert torch.cuda.is_available() is False or torch.cuda.get_device_name() != "RTX4090-24GB"
 
 
@@ -182,13 +192,19 @@ def test_foreach_optimizer_and_a_model_built_beforehand():
     opt = torch.optim.AdamW(model.parameters())
     seen = {}
 
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.setdefault(func.__name__.split(".")[0], 0)
+            return func(*args, **(kwargs or {}))
+
     def step(model, opt):
         model(torch.randn(8, 512, device="cuda")).sum().backward()
-        opt.step()
-        seen["foreach"] = opt.param_groups[0]["foreach"]
+        with Ops():
+            opt.step()
 
     r = memprof.simulate(lambda: (model, opt), step, target="h100", steps=2)
-    assert seen["foreach"] is True  # as torch.optim defaults to on CUDA tensors
+    # torch.optim's default on CUDA tensors: the foreach implementation
+    assert "_foreach_lerp_" in seen and "_foreach_sqrt" in seen and "addcdiv_" not in seen
     assert r.peak.bytes["parameters"] == 2 * MiB
     assert (r.timeline["temporaries"] >= 0).all()  # the caller's weights were counted as allocated
 
@@ -221,7 +237,7 @@ def test_activation_checkpointing_recomputes_under_the_virtual_device():
         return model, opt, step
 
     memprof.simulate(setup, target="h100", steps=2)
-    assert calls == ["meta"] * 4  # forward and recomputation, twice
+    assert calls == ["cuda"] * 4  # forward and recomputation, twice, on the simulated GPU
 
 
 def test_bad_arguments():

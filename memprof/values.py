@@ -1,0 +1,158 @@
+"""The values of small tensors on the simulated GPU.
+
+A simulated step runs on meta tensors, which have shapes but no values. Most of
+a training step never needs values, but scripts and libraries branch on a few
+small ones: an attention mask that is all ones (Hugging Face then drops it and
+attention takes another kernel), a ``GradScaler``'s found-inf flag (the
+optimizer steps only when it is zero), token ids turned into a boolean mask and
+then indexed (``nonzero`` has a value-dependent shape).
+
+So every meta storage of at most :data:`LIMIT` bytes whose inputs are known
+keeps a CPU copy, a *shadow*: factories and copies from host tensors give
+one, each operator whose tensor inputs all have shadows runs once more on
+the shadows, and an in-place operator that cannot be followed drops the shadow
+of what it writes. Shadows are kept per storage, so views and in-place updates
+stay consistent. Operators whose output shape depends on values (PyTorch tags
+them ``dynamic_output_shape``) run on the shadows and hand back meta tensors
+of the shapes they produced; without shadows they cannot run and raise
+:class:`UnknownValues`. Large tensors (activations, weights) never get shadows,
+so the cost stays small.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["LIMIT", "UnknownValues", "Values"]
+
+#: Largest storage, in bytes, whose values are followed: token ids and masks of a
+#: batch, scalars, small index tensors.
+LIMIT = 1 << 20
+
+_META = torch.device("meta")
+_CPU = torch.device("cpu")
+
+
+class UnknownValues(RuntimeError):
+    """An operator needs values that the simulation does not have."""
+
+
+def _writes(func) -> tuple[int, ...]:
+    """Positions of the arguments ``func`` writes to (``add_``'s self, ``out=``)."""
+    cached = _WRITES.get(func)
+    if cached is None:
+        cached = tuple(
+            i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+        _WRITES[func] = cached
+    return cached
+
+
+_WRITES: dict[Any, tuple[int, ...]] = {}
+
+
+class Values(TorchDispatchMode):
+    """Follows the values of small meta tensors (see the module docstring)."""
+
+    def __init__(self, limit: int = LIMIT) -> None:
+        super().__init__()
+        self.limit = limit
+        self._shadows: dict[weakref.ref, torch.UntypedStorage] = {}
+
+    # -- reading ---------------------------------------------------------------
+    def shadow(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s values as a CPU tensor (``t`` itself when it is not a meta tensor), or None."""
+        if not t.is_meta:
+            return t
+        storage = self._shadows.get(weakref.ref(t.untyped_storage()))
+        if storage is None:
+            return None
+        return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+    # -- following operators -----------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, spec = tree_flatten((args, kwargs))
+        metas = [a for a in flat if isinstance(a, torch.Tensor) and a.is_meta]
+        on_meta = metas or any(a == _META for a in flat if isinstance(a, torch.device))
+        if not on_meta:
+            return func(*args, **kwargs)  # the host's own work: real tensors, real values
+        shadows = None
+        if all(self._has(t) for t in metas):
+            shadows = [self._cpu(a) for a in flat]
+        if torch.Tag.dynamic_output_shape in func.tags:
+            if shadows is None:
+                raise UnknownValues(_unknown(func))
+            cargs, ckwargs = spec.unflatten(shadows)
+            result = func(*cargs, **_host(ckwargs))
+            out = tree_map(_meta_like, result)
+            self._keep(out, result)
+            return out
+        out = func(*args, **kwargs)
+        if shadows is not None:
+            try:
+                cargs, ckwargs = spec.unflatten(shadows)
+                result = func(*cargs, **_host(ckwargs))
+            except Exception:  # e.g. a kernel the host has no implementation of
+                shadows = None
+            else:
+                self._keep(out, result)
+        if shadows is None:
+            for i in _writes(func):
+                target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+                for t in target if isinstance(target, (list, tuple)) else (target,):
+                    if isinstance(t, torch.Tensor) and t.is_meta:
+                        self._shadows.pop(weakref.ref(t.untyped_storage()), None)
+        return out
+
+    def _has(self, t: torch.Tensor) -> bool:
+        return weakref.ref(t.untyped_storage()) in self._shadows
+
+    def _cpu(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.is_meta:
+            return self.shadow(a)
+        if isinstance(a, torch.device) and a == _META:
+            return _CPU
+        return a
+
+    def _keep(self, out: Any, result: Any) -> None:
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        results = [r for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
+        for o, r in zip(outs, results):
+            if not o.is_meta or self._has(o) or o.shape != r.shape:
+                continue  # a view or in-place result: its storage's shadow was updated already
+            storage = o.untyped_storage()
+            if storage.nbytes() > self.limit:
+                continue
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8).untyped_storage()
+            view = torch.empty(0, dtype=o.dtype).set_(host, o.storage_offset(), o.size(), o.stride())
+            view.copy_(r)
+            self._shadows[weakref.ref(storage, self._forget)] = host
+
+    def _forget(self, key: weakref.ref) -> None:
+        self._shadows.pop(key, None)
+
+
+def _host(kwargs: dict) -> dict:
+    # Page-locked host memory is no device memory, and a host without a GPU cannot pin.
+    return {**kwargs, "pin_memory": False} if kwargs.get("pin_memory") else kwargs
+
+
+def _meta_like(r: Any) -> Any:
+    if isinstance(r, torch.Tensor):
+        return torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta")
+    return r
+
+
+def _unknown(func) -> str:
+    name = func.__name__.split(".")[0]
+    return (
+        f"aten.{name} makes an output whose shape depends on the values of its input (a boolean mask, nonzero, "
+        f"unique), and the simulated GPU knows values only of tensors up to {LIMIT >> 20} MiB computed from known "
+        "data; give the output a fixed shape (e.g. torch.where(mask, x, 0) instead of x[mask]) or measure on a GPU"
+    )
