@@ -1,0 +1,153 @@
+"""The real-world script corpus: measured on a GPU, simulated anywhere, compared.
+
+    python3 benchmarks/corpus.py measure --out DIR            # on a GPU: memprof track each script for real
+    python3 benchmarks/corpus.py simulate --out DIR           # anywhere: memprof track --target h200
+    python3 benchmarks/corpus.py compare MEASURED SIMULATED --out benchmarks/results
+
+The scripts in ``benchmarks/scripts/`` are written the way public training code
+is (nanoGPT, Hugging Face Trainer, Lightning, torchvision's reference trainer,
+PEFT, a plain loop around a grouped-query decoder, a script that asks the CUDA
+runtime everything); none of them knows memprof. Each runs unmodified from its
+own directory, as its users run it. ``measure`` and ``simulate`` write one
+report per entry (``NAME.json``) and a log (``NAME.log``); ``compare`` writes
+``corpus.md`` and ``corpus.json``: the last tracked step's peak allocated and
+reserved, measured against predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE / "scripts"
+GiB = 2**30
+
+#: name -> (directory under benchmarks/scripts, script, its arguments, needs torchvision)
+CORPUS: dict[str, tuple[str, str, list[str], bool]] = {
+    "nanogpt-bf16": ("nanogpt", "train.py", ["config/corpus.py"], False),
+    "nanogpt-fp16-scaler": ("nanogpt", "train.py", ["config/corpus_fp16.py"], False),
+    "nanogpt-fp16-deprecated-scaler": ("nanogpt", "train.py", ["config/corpus_fp16.py", "--scaler_api=cuda"], False),
+    "gqa-fp32": (".", "gqa_decoder.py", ["--dtype", "float32"], False),
+    "gqa-bf16": (".", "gqa_decoder.py", ["--dtype", "bfloat16"], False),
+    "gqa-bf16-mask": (".", "gqa_decoder.py", ["--dtype", "bfloat16", "--attention-mask"], False),
+    "hf-trainer": (".", "hf_trainer.py", [], False),
+    "lightning": (".", "lightning_gpt.py", [], False),
+    "vision-reference": (".", "vision_reference.py", ["--amp", "--channels-last", "--model-ema"], True),
+    "peft-lora": (".", "peft_lora.py", [], False),
+    "cuda-api-bf16": (".", "cuda_api_probe.py", [], False),
+    "cuda-api-fp16": (".", "cuda_api_probe.py", ["--dtype", "float16"], False),
+}
+
+
+def command(name: str, out: Path, target: str | None, steps: int) -> tuple[list[str], Path]:
+    folder, script, args, _ = CORPUS[name]
+    cmd = [sys.executable, "-m", "memprof.cli", "track", script, "--steps", str(steps), "--json", str(out / f"{name}.json")]
+    if target:
+        cmd += ["--target", target]
+    return [*cmd, "--", *args], SCRIPTS / folder
+
+
+def run_one(name: str, out: Path, target: str | None, steps: int, env: dict) -> dict:
+    cmd, cwd = command(name, out, target, steps)
+    start = time.monotonic()
+    with open(out / f"{name}.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    return {"name": name, "rc": rc, "seconds": round(time.monotonic() - start, 1), "command": " ".join(cmd[1:])}
+
+
+def run_all(args: argparse.Namespace, target: str | None) -> None:
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if args.no_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    names = [n for n in CORPUS if not args.only or n in args.only]
+    if args.skip_vision:
+        names = [n for n in names if not CORPUS[n][3]]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        runs = list(pool.map(lambda n: run_one(n, out, target, args.steps, env), names))
+    for r in runs:
+        print(f"{r['name']:32s} rc={r['rc']} {r['seconds']:6.1f} s")
+    (out / "runs.json").write_text(json.dumps(runs, indent=1))
+
+
+def last_step(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    steps = report.get("steps") or []
+    return steps[-1] if steps else None
+
+
+def compare(args: argparse.Namespace) -> None:
+    measured, simulated = Path(args.measured), Path(args.simulated)
+    rows = []
+    for name in CORPUS:
+        m, s = last_step(measured / f"{name}.json"), last_step(simulated / f"{name}.json")
+        row = {"name": name, "measured": m, "simulated": s}
+        if m and s:
+            for key in ("peak_allocated", "peak_reserved"):
+                row[f"{key}_error"] = (s[key] - m[key]) / m[key]
+        rows.append(row)
+    errs = sorted(abs(r["peak_allocated_error"]) for r in rows if "peak_allocated_error" in r)
+    summary = {
+        "median_abs_allocated_error": errs[len(errs) // 2] if errs else None,
+        "worst_abs_allocated_error": errs[-1] if errs else None,
+        "worst_abs_reserved_error": max((abs(r["peak_reserved_error"]) for r in rows if "peak_reserved_error" in r), default=None),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "corpus.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    lines = [
+        "| script | measured alloc GiB | predicted alloc GiB | error | measured reserved GiB | predicted reserved GiB | error |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        m, s = r["measured"], r["simulated"]
+        if not (m and s):
+            have = "-" if not m else f"{m['peak_allocated'] / GiB:.2f}"
+            lines.append(f"| {r['name']} | {have} | {'failed' if not s else 'no measurement'} | | | | |")
+            continue
+        lines.append(
+            f"| {r['name']} | {m['peak_allocated'] / GiB:.2f} | {s['peak_allocated'] / GiB:.2f} | "
+            f"{100 * r['peak_allocated_error']:+.1f} % | {m['peak_reserved'] / GiB:.2f} | "
+            f"{s['peak_reserved'] / GiB:.2f} | {100 * r['peak_reserved_error']:+.1f} % |"
+        )
+    (out / "corpus.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(json.dumps(summary))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for cmd in ("measure", "simulate"):
+        q = sub.add_parser(cmd)
+        q.add_argument("--out", required=True)
+        q.add_argument("--steps", type=int, default=3)
+        q.add_argument("--jobs", type=int, default=1, help="scripts run at once")
+        q.add_argument("--only", nargs="*", default=None)
+        q.add_argument("--skip-vision", action="store_true", help="leave out the scripts that need torchvision")
+        q.add_argument("--no-gpu", action="store_true", help="hide the GPUs (CUDA_VISIBLE_DEVICES=)")
+        if cmd == "simulate":
+            q.add_argument("--target", default="h200")
+    q = sub.add_parser("compare")
+    q.add_argument("measured")
+    q.add_argument("simulated")
+    q.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    if args.cmd == "compare":
+        compare(args)
+    else:
+        run_all(args, args.target if args.cmd == "simulate" else None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Training scripts written the way public projects write them, simulated for an H200.
+
+Each script of ``benchmarks/scripts`` runs unmodified, from its own directory,
+under ``memprof track --target h200`` and ``memprof advise --budget 24GiB``, in
+a fresh process with the GPUs hidden (``CUDA_VISIBLE_DEVICES=``): on a
+CPU-only build of torch that is the CPU machine's case, on a CUDA build the
+login node's (a CUDA torch and no GPU). The arguments shrink the models so
+the suite stays quick; the code paths are the scripts' own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from corpus import CORPUS, SCRIPTS  # noqa: E402
+
+#: Small sizes for each entry (the script's own options).
+SMALL = {
+    "nanogpt": ["--n_layer=2", "--n_head=4", "--n_embd=128", "--block_size=128", "--batch_size=4"],
+    "gqa_decoder.py": ["--hidden-size", "128", "--intermediate-size", "352", "--layers", "2", "--heads", "4",
+                       "--kv-heads", "2", "--seq-len", "64", "--batch-size", "2"],
+    "hf_trainer.py": ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--seq-len", "32", "--batch-size", "4"],
+    "lightning_gpt.py": ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--seq-len", "32", "--batch-size", "4"],
+    "vision_reference.py": ["--model", "resnet18", "--batch-size", "8", "--workers", "2", "--train-crop-size", "64"],
+    "peft_lora.py": ["--hidden-size", "64", "--intermediate-size", "176", "--num-layers", "2", "--num-heads", "4",
+                     "--vocab-size", "1000", "--seq-len", "32", "--batch-size", "2"],
+    "cuda_api_probe.py": ["--batch-size", "4", "--seq-len", "64", "--d-model", "128", "--n-layers", "2",
+                          "--n-heads", "4", "--dim-feedforward", "256"],
+}
+HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+
+
+def _args(name: str) -> tuple[Path, str, list[str]]:
+    folder, script, args, _ = CORPUS[name]
+    return SCRIPTS / folder, script, [*args, *SMALL["nanogpt" if folder == "nanogpt" else script]]
+
+
+def _memprof(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "memprof.cli", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=900)
+
+
+def _needs(name: str) -> None:
+    if CORPUS[name][3] and not HAS_TORCHVISION:
+        pytest.skip("torchvision is not installed with this torch (the CI runs it with a CUDA build of torch)")
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_track_simulates_the_script(name, tmp_path):
+    _needs(name)
+    cwd, script, args = _args(name)
+    out = tmp_path / "report.json"
+    done = _memprof(cwd, "track", script, "--target", "h200", "--steps", "2", "--json", str(out), "--", *args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["source"] == "simulate" and report["meta"]["target"] == "H200-141GB"
+    assert len(report["steps"]) == 2  # both optimizer steps ran (a GradScaler that found "inf" would skip them)
+    peak = report["peak"]["bytes"]
+    assert peak["parameters"] > 0 and report["optimizer_state"]["exp_avg"] > 0
+    assert "Traceback" not in done.stderr
+
+
+def test_lora_trains_only_the_adapters(tmp_path):
+    """PEFT freezes the base: Adam's state is the LoRA matrices' alone, in float32.
+
+    2 layers x 4 projections (q, k, v, o) x (A: 16 x 64 + B: 64 x 16) x 4 bytes = 65,536 bytes per state.
+    """
+    cwd, script, args = _args("peft-lora")
+    out = tmp_path / "report.json"
+    done = _memprof(cwd, "track", script, "--target", "h200", "--steps", "2", "--json", str(out), "--", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = json.loads(out.read_text())["optimizer_state"]
+    assert state["exp_avg"] == state["exp_avg_sq"] == 2 * 4 * (16 * 64 + 64 * 16) * 4
+
+
+def test_compile_runs_eagerly_and_says_so(tmp_path):
+    cwd, script, args = _args("nanogpt-bf16")
+    out = tmp_path / "report.json"
+    done = _memprof(cwd, "track", script, "--target", "h200", "--steps", "2", "--json", str(out), "--", *args,
+                    "--compile=True")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch.compile is simulated eagerly" in done.stderr
+    assert "torch.compile" in json.loads(out.read_text())["meta"]["simulation_notes"]
+
+
+@pytest.mark.parametrize("name", ["nanogpt-fp16-scaler", "gqa-fp32", "hf-trainer", "lightning", "vision-reference",
+                                  "peft-lora", "cuda-api-bf16"])
+def test_advise_ranks_plans_for_the_script(name, tmp_path):
+    _needs(name)
+    cwd, script, args = _args(name)
+    out = tmp_path / "advice.json"
+    done = _memprof(cwd, "advise", script, "--budget", "24GiB", "--target", "h200", "--json", str(out), "--", *args)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    advice = json.loads(out.read_text())
+    assert advice["target"] == "H200-141GB" and advice["best"] is not None
+    assert len(advice["plans"]) > 1
+
+
+CPU_ONLY = """\
+import torch
+model = torch.nn.Linear(64, 64)  # trains on the CPU whatever is available
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(5):
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step(); opt.zero_grad()
+"""
+
+VALUE_SHAPED = """\
+import torch
+model = torch.nn.Linear(4096, 4096).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(5):
+    y = model(torch.randn(256, 4096, device="cuda"))
+    kept = y[y > 0]
+    kept.sum().backward()
+    opt.step(); opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("command", [["track"], ["advise", "--budget", "24GiB"]], ids=["track", "advise"])
+@pytest.mark.parametrize("source, says", [
+    (CPU_ONLY, "memprof: error: Linear trains on the cpu, not on the simulated GPU"),
+    (VALUE_SHAPED, "memprof: error: the script raised UnknownValues: aten.index makes an output whose shape depends"),
+], ids=["model-on-the-cpu", "boolean-mask"])
+def test_what_cannot_be_simulated_is_one_line(tmp_path, command, source, says):
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    done = _memprof(tmp_path, command[0], str(script), "--target", "h200", *command[1:])
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith(says) and "Traceback" not in done.stderr
+    if source is VALUE_SHAPED:
+        assert lines[-1].endswith("(at train.py line 6); memprof could not observe a training step")
