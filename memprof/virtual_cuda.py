@@ -534,6 +534,8 @@ class VirtualCUDA:
             attn_mask = torch.where(attn_mask, zero, torch.full_like(zero, float("-inf")))
         if backend == "cudnn":
             lse = _needs_logsumexp(query, key, value)
+            if key.shape[-3] != query.shape[-3] and not _cudnn_gqa_on_meta():
+                return _CudnnGroupedAttention.apply(query, key, value, lse)
             return ops._scaled_dot_product_cudnn_attention(
                 query, key, value, attn_mask, lse, dropout_p, is_causal, False, scale=scale
             )[0]
@@ -556,6 +558,49 @@ class VirtualCUDA:
         return ops._scaled_dot_product_attention_math(
             query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]
+
+
+_cudnn_gqa: list[bool] = []
+
+
+def _cudnn_gqa_on_meta() -> bool:
+    """Whether this torch's meta kernels run cuDNN attention with grouped heads, forward and backward
+    (torch 2.13 does; 2.11's backward cannot), asked once with tiny tensors."""
+    if not _cudnn_gqa:
+        try:
+            q = torch.empty(1, 4, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+            kv = torch.empty(1, 2, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kv, kv, None, True, 0.0, True, False)[0]
+            torch.autograd.grad(out.sum(), (q, kv))
+            _cudnn_gqa.append(True)
+        except Exception:
+            _cudnn_gqa.append(False)
+    return _cudnn_gqa[0]
+
+
+class _CudnnGroupedAttention(torch.autograd.Function):
+    """cuDNN attention with fewer key/value heads, where this torch's meta kernels cannot run it.
+
+    Forward keeps what the kernel keeps (the output and a float32 log-sum-exp per
+    query row); backward makes the query's gradient and the keys' and values' at
+    the query's heads, then sums each group of heads, as the GPU was measured to
+    (benchmarks/results/sdpa-choice-nvidia-h200.json, backward peaks).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, lse):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        stats = q.new_empty(*q.shape[:-1], 1, dtype=torch.float32) if lse else None
+        ctx.save_for_backward(q, k, v, out, *(() if stats is None else (stats,)))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors[:3]
+        groups = q.shape[-3] // k.shape[-3]
+        full = (*q.shape[:-1], k.shape[-1]), (*q.shape[:-1], v.shape[-1])
+        dk, dv = (q.new_empty(shape).unflatten(-3, (k.shape[-3], groups)).sum(-3) for shape in full)
+        return torch.empty_like(q), dk, dv, None
 
 
 def _needs_logsumexp(q, k, v) -> bool:
