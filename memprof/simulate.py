@@ -26,10 +26,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from .allocator import Counters
+from .aten_args import tensors
 from .caching import CachingAllocatorModel
 from .devices import GPU, get_gpu
 from .report import Report
@@ -157,12 +157,12 @@ class SimulatedAllocator(TorchDispatchMode):
         if self._workspace is None and func.__name__.split(".")[0] in _MATMUL_OPS:
             # Taken at the first matrix product and kept for the process's life.
             self._workspace = self.model.malloc(cublas_workspace_bytes(self.gpu))
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = tensors(out)
         for t in outs:
             if t.is_meta:
                 self._allocate(t.untyped_storage())
         if not getattr(func, "is_view", False) and func.__name__.split(".")[0] not in _NO_KERNEL:
-            ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            ins = tensors(args, kwargs)
             # Only the device's work takes device time: the host's own tensors (a data pipeline) do not.
             if any(t.is_meta for t in outs) or any(t.is_meta for t in ins):
                 self._account(func, args, kwargs or {}, out, outs, ins)

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+
+from .aten_args import leaves, map_leaves, tensors
 
 __all__ = ["LIMIT", "UnknownValues", "Values"]
 
@@ -77,32 +78,28 @@ class Values(TorchDispatchMode):
     # -- following operators -----------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, spec = tree_flatten((args, kwargs))
+        flat = list(leaves(args, kwargs))
         metas = [a for a in flat if isinstance(a, torch.Tensor) and a.is_meta]
         on_meta = metas or any(a == _META for a in flat if isinstance(a, torch.device))
         if not on_meta:
             return func(*args, **kwargs)  # the host's own work: real tensors, real values
-        shadows = None
-        if all(self._has(t) for t in metas):
-            shadows = [self._cpu(a) for a in flat]
+        known = all(self._has(t) for t in metas)
         if torch.Tag.dynamic_output_shape in func.tags:
-            if shadows is None:
+            if not known:
                 raise UnknownValues(_unknown(func))
-            cargs, ckwargs = spec.unflatten(shadows)
-            result = func(*cargs, **_host(ckwargs))
-            out = tree_map(_meta_like, result)
+            result = func(*map_leaves(self._cpu, args), **_host(map_leaves(self._cpu, kwargs)))
+            out = map_leaves(_meta_like, result)
             self._keep(out, result)
             return out
         out = func(*args, **kwargs)
-        if shadows is not None:
+        if known:
             try:
-                cargs, ckwargs = spec.unflatten(shadows)
-                result = func(*cargs, **_host(ckwargs))
+                result = func(*map_leaves(self._cpu, args), **_host(map_leaves(self._cpu, kwargs)))
             except Exception:  # e.g. a kernel the host has no implementation of
-                shadows = None
+                known = False
             else:
                 self._keep(out, result)
-        if shadows is None:
+        if not known:
             for i in _writes(func):
                 target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
                 for t in target if isinstance(target, (list, tuple)) else (target,):
@@ -121,8 +118,7 @@ class Values(TorchDispatchMode):
         return a
 
     def _keep(self, out: Any, result: Any) -> None:
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        results = [r for r in tree_flatten(result)[0] if isinstance(r, torch.Tensor)]
+        outs, results = tensors(out), tensors(result)
         for o, r in zip(outs, results):
             if not o.is_meta or self._has(o) or o.shape != r.shape:
                 continue  # a view or in-place result: its storage's shadow was updated already

@@ -1,0 +1,47 @@
+"""memprof.values: the simulated GPU follows the values of small tensors, and only those."""
+
+import pytest
+import torch
+
+from memprof.values import LIMIT, UnknownValues, Values
+from memprof.virtual_cuda import VirtualCUDA
+
+
+def test_small_tensors_keep_their_values_through_ops_views_and_in_place_updates():
+    with VirtualCUDA("h200") as gpu:
+        ids = torch.tensor([[3, 0, 5], [0, 0, 7]]).cuda()  # from the host
+        mask = ids != 0
+        assert ids.is_meta and mask.tolist() == [[True, False, True], [False, False, True]]
+        row = ids[1]  # a view shares its storage's shadow
+        row.add_(1)
+        assert ids.tolist() == [[3, 0, 5], [1, 1, 8]]
+        assert ids[mask].tolist() == [3, 5, 8]  # boolean indexing: a value-shaped op, run on the shadows
+        assert ids[ids != 0].tolist() == [3, 5, 1, 1, 8]
+        assert mask.nonzero().shape == (3, 2)
+        assert float(torch.full((), 0.0, device="cuda")) == 0.0  # a GradScaler's found-inf flag
+        assert gpu.values.shadow(torch.arange(4, device="cuda")).tolist() == [0, 1, 2, 3]
+
+
+def test_writes_that_cannot_be_followed_drop_the_values():
+    with VirtualCUDA("h200") as gpu:
+        small = torch.zeros(4, device="cuda")
+        big = torch.ones(LIMIT // 4 + 1, device="cuda")  # one float over the limit: no values
+        assert gpu.values.shadow(big) is None and gpu.values.shadow(small) is not None
+        small.copy_(big[:4])  # written from unknown values
+        assert gpu.values.shadow(small) is None
+        assert small.sum().item() == 1.0  # the placeholder for unknown values
+
+
+def test_value_shaped_ops_on_unknown_values_raise():
+    with VirtualCUDA("h200"):
+        big = torch.randn(LIMIT, device="cuda")
+        with pytest.raises(UnknownValues, match=r"aten.nonzero makes an output whose shape depends"):
+            big.nonzero()
+
+
+def test_host_work_is_left_alone():
+    values = Values()
+    with values:
+        x = torch.arange(6).reshape(2, 3)
+        assert x[x > 2].tolist() == [3, 4, 5]
+    assert values._shadows == {}
