@@ -87,3 +87,45 @@ def test_agrees_with_pytorch_on_this_gpu():
         if mine != theirs:
             wrong.append((case, theirs, mine))
     assert len(grid) >= 300 and wrong == []
+
+
+def _kernel(ops):
+    names = " ".join(op for op, _ in ops)
+    for kernel in ("cudnn", "efficient", "flash"):
+        if f"_scaled_dot_product_{kernel}_attention" in names:
+            return kernel
+    return "math"
+
+
+def test_simulated_attention_forward_matches_the_gpu():
+    """What one attention forward allocates and keeps, against the H200's own counters (same shapes)."""
+    import torch.nn.functional as F
+
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+    from memprof.virtual_cuda import VirtualCUDA
+
+    dtypes = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
+    traces = json.loads(RECORDED.read_text())["traces"]
+    checked = 0
+    for trace in traces:
+        s = trace["shape"]
+        if _kernel(trace["ops"]) == "math":
+            continue  # its _safe_softmax works in pieces on the GPU: a transient the simulation leaves out
+        gpu = get_gpu("h200")
+        with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)):
+            dtype = dtypes[s["dtype"]]
+            q = torch.randn(s["batch"], s["heads_q"], s["length"], s["dim"], dtype=dtype, device="cuda", requires_grad=True)
+            k, v = (torch.randn(s["batch"], s["heads_kv"], s["length"], s["dim"], dtype=dtype, device="cuda",
+                                requires_grad=True) for _ in range(2))
+            mask = torch.ones(s["batch"], 1, s["length"], s["length"], dtype=torch.bool, device="cuda") if s["mask"] else None
+            torch.zeros(1, 1, device="cuda") @ torch.zeros(1, 1, device="cuda")  # cuBLAS's workspace, there before
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=s["causal"], enable_gqa=s["gqa"])
+            # within four 512-byte blocks: scalars (the kernels' RNG seed and offset, a mask's fill values)
+            assert abs(torch.cuda.max_memory_allocated() - base - trace["forward_peak"]) <= 2048, s
+            assert abs(torch.cuda.memory_allocated() - base - trace["after_forward"]) <= 2048, s
+            del out
+        checked += 1
+    assert checked == 18
