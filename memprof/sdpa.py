@@ -1,4 +1,4 @@
-"""Which kernel ``scaled_dot_product_attention`` runs on a CUDA GPU, by PyTorch's rules.
+"""Which kernel ``scaled_dot_product_attention`` runs on a CUDA GPU, by PyTorch's rules, and running it so.
 
 A port of ``select_sdp_backend`` and the ``can_use_*_attention`` checks of
 ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` (with the helpers of
@@ -79,6 +79,42 @@ class Environment:
         if self.cuda < (13, 0):
             return self.cudnn > 91500 and major in (9, 10) and minor in (0, 3)
         return self.cudnn > 91500 and major in (9, 10)
+
+    def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        """``scaled_dot_product_attention`` as its CUDA dispatch runs it (aten/src/ATen/native/transformers/attention.cpp):
+        the kernel :func:`select_backend` picks, with the mask conversion and padding around it."""
+        backend = select_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, self)
+        ops = torch.ops.aten
+        if attn_mask is not None and attn_mask.dtype is torch.bool:
+            # convert_boolean_attn_mask (and its cuDNN twin): an additive mask in the query's dtype.
+            zero = torch.zeros((), dtype=query.dtype, device=attn_mask.device)
+            attn_mask = torch.where(attn_mask, zero, torch.full_like(zero, float("-inf")))
+        if backend == "cudnn":
+            lse = _needs_logsumexp(query, key, value)
+            if key.shape[-3] != query.shape[-3] and not _cudnn_gqa_on_meta():
+                return _CudnnGroupedAttention.apply(query, key, value, lse)
+            return ops._scaled_dot_product_cudnn_attention(
+                query, key, value, attn_mask, lse, dropout_p, is_causal, False, scale=scale
+            )[0]
+        if backend == "flash":
+            size = query.shape[-1]
+            if scale is None:
+                scale = size ** -0.5  # the original head size's scale, before padding
+            if size % 8:  # pad_last_dim<8>: the kernel takes head sizes in steps of 8
+                pad = 8 - size % 8
+                query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
+            out = ops._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+            return out[..., :size] if size % 8 else out
+        if backend == "efficient":
+            if attn_mask is not None:
+                attn_mask = _preprocess_mask(attn_mask, query, key)
+            lse = _needs_logsumexp(query, key, value)
+            return ops._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, lse, dropout_p, is_causal, scale=scale
+            )[0]
+        return ops._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+        )[0]
 
 
 def _local_cudnn() -> int | None:
@@ -303,3 +339,62 @@ def select_backend(q, k, v, mask, dropout: float, causal: bool, gqa: bool, gpu: 
         "no attention kernel is enabled for these inputs (torch.backends.cuda SDPA switches or sdpa_kernel): "
         "PyTorch would fail with 'No available kernel' on the GPU too"
     )
+
+
+_cudnn_gqa: list[bool] = []
+
+
+def _cudnn_gqa_on_meta() -> bool:
+    """Whether this torch's meta kernels run cuDNN attention with grouped heads, forward and backward
+    (torch 2.13 does; 2.11's backward cannot), asked once with tiny tensors."""
+    if not _cudnn_gqa:
+        try:
+            q = torch.empty(1, 4, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+            kv = torch.empty(1, 2, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kv, kv, None, True, 0.0, True, False)[0]
+            torch.autograd.grad(out.sum(), (q, kv))
+            _cudnn_gqa.append(True)
+        except Exception:
+            _cudnn_gqa.append(False)
+    return _cudnn_gqa[0]
+
+
+class _CudnnGroupedAttention(torch.autograd.Function):
+    """cuDNN attention with fewer key/value heads, where this torch's meta kernels cannot run it.
+
+    Forward keeps what the kernel keeps (the output and a float32 log-sum-exp per
+    query row); backward makes the query's gradient and the keys' and values' at
+    the query's heads, then sums each group of heads, as the GPU was measured to
+    (benchmarks/results/sdpa-choice-nvidia-h200.json, backward peaks).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, lse):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        stats = q.new_empty(*q.shape[:-1], 1, dtype=torch.float32) if lse else None
+        ctx.save_for_backward(q, k, v, out, *(() if stats is None else (stats,)))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors[:3]
+        groups = q.shape[-3] // k.shape[-3]
+        full = (*q.shape[:-1], k.shape[-1]), (*q.shape[:-1], v.shape[-1])
+        dk, dv = (q.new_empty(shape).unflatten(-3, (k.shape[-3], groups)).sum(-3) for shape in full)
+        return torch.empty_like(q), dk, dv, None
+
+
+def _needs_logsumexp(q, k, v) -> bool:
+    # should_compute_logsumexp: the backward needs it
+    return (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+
+
+def _preprocess_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Memory-efficient attention's mask: expanded to 4-D, its last dimension padded to 16 (preprocess_mask)."""
+    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    last = mask.shape[-1]
+    if last % 16:
+        return torch.nn.functional.pad(mask, (0, 16 - last % 16))[..., :last]
+    if any(mask.stride(i) % 16 for i in range(3)):
+        return mask.contiguous()
+    return mask

@@ -39,9 +39,8 @@ from __future__ import annotations
 
 import logging
 import sys
-import weakref
 from contextlib import ExitStack
-from types import FunctionType, SimpleNamespace
+from types import FunctionType
 from typing import Any, Callable
 
 import torch
@@ -49,8 +48,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .autocast_policy import AutocastPolicy, cross_entropy_loss
+from .cuda_api import TENSOR_API, CudaRuntime
 from .devices import GPU, get_gpu
-from .sdpa import Environment, select_backend
+from .sdpa import Environment
 from .values import Values
 
 __all__ = ["VirtualCUDA", "current"]
@@ -144,7 +144,7 @@ class _Mode(TorchFunctionMode):
                 # kernel that reads half and writes float, without a float copy.
                 return _HALF_TO_FLOAT[name](args[0], _arg(args, kwargs, 1, "dim"), True)
         if name == "scaled_dot_product_attention":
-            return self.vc._sdpa(*args, **kwargs)
+            return self.vc.sdpa.attention(*args, **kwargs)
         if func is torch.Tensor.backward:
             return self._backward(*args, **kwargs)
         if isinstance(func, FunctionType) and func.__module__ in _PYTHON_FUNCTIONALS and _checks(func):
@@ -299,148 +299,12 @@ class VirtualCUDA:
     def __init__(self, target: str | GPU = "H100-80GB", allocator: Any = None) -> None:
         self.gpu = get_gpu(target)
         self.allocator = allocator
+        self.runtime = CudaRuntime(self.gpu, allocator)
         self.values = Values()
         self.sdpa = Environment.of(self.gpu)
         #: What the script asked for that runs differently here (e.g. torch.compile), for the report.
         self.notes: dict[str, str] = {}
         self._stack: ExitStack | None = None
-
-    # -- the torch.cuda API as the target answers it ---------------------------
-    def _cuda_api(self) -> dict[str, Any]:
-        gpu, vc = self.gpu, self
-        props = SimpleNamespace(
-            name=gpu.name,
-            total_memory=gpu.memory_bytes,
-            major=gpu.compute_capability[0],
-            minor=gpu.compute_capability[1],
-            multi_processor_count=gpu.multiprocessors or 1,
-            is_integrated=False,
-            is_multi_gpu_board=False,
-            max_threads_per_multi_processor=2048,
-            warp_size=32,
-            uuid="00000000-0000-0000-0000-000000000000",
-            pci_bus_id=0,
-            pci_device_id=0,
-            pci_domain_id=0,
-            gcnArchName=gpu.name,
-        )
-        return {
-            "is_available": lambda: True,
-            "is_initialized": lambda: True,
-            "init": lambda: None,
-            "_lazy_init": lambda: None,
-            "device_count": lambda: 1,
-            "current_device": lambda: 0,
-            "set_device": lambda device: None,
-            "synchronize": lambda device=None: None,
-            "ipc_collect": lambda: None,
-            "get_device_name": lambda device=None: gpu.name,
-            "get_device_capability": lambda device=None: gpu.compute_capability,
-            "get_device_properties": lambda device=None: props,
-            "get_arch_list": lambda: [f"sm_{gpu.compute_capability[0]}{gpu.compute_capability[1]}"],
-            "is_bf16_supported": lambda including_emulation=True: gpu.bf16,
-            "is_tf32_supported": lambda: gpu.compute_capability >= (8, 0),
-            "manual_seed": lambda seed: None,
-            "manual_seed_all": lambda seed: None,
-            "seed": lambda: None,
-            "seed_all": lambda: None,
-            "initial_seed": lambda: 0,
-            "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
-            "set_rng_state": lambda state, device="cuda": None,
-            "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8)],
-            "set_rng_state_all": lambda states: None,
-            "device": _NoDevice,
-            "device_of": _NoDevice,
-            "Stream": _Stream,
-            "ExternalStream": _Stream,
-            "Event": lambda *a, **k: _Event(vc),
-            "stream": _StreamContext,
-            "current_stream": lambda device=None: _STREAM,
-            "default_stream": lambda device=None: _STREAM,
-            "set_stream": lambda stream: None,
-            "is_current_stream_capturing": lambda: False,
-            "empty_cache": lambda: vc._counters("empty_cache"),
-            "memory_allocated": lambda device=None: vc._counters("allocated"),
-            "max_memory_allocated": lambda device=None: vc._counters("peak_allocated"),
-            "memory_reserved": lambda device=None: vc._counters("reserved"),
-            "max_memory_reserved": lambda device=None: vc._counters("peak_reserved"),
-            "memory_cached": lambda device=None: vc._counters("reserved"),
-            "max_memory_cached": lambda device=None: vc._counters("peak_reserved"),
-            "reset_peak_memory_stats": lambda device=None: vc._counters("reset_peak"),
-            "reset_max_memory_allocated": lambda device=None: vc._counters("reset_peak"),
-            "reset_accumulated_memory_stats": lambda device=None: None,
-            "memory_stats": lambda device=None: vc.memory_stats(),
-            "memory_summary": lambda device=None, abbreviated=False: vc.memory_summary(),
-            "mem_get_info": lambda device=None: vc.mem_get_info(),
-            "set_per_process_memory_fraction": lambda fraction, device=None: None,
-            "utilization": lambda device=None: 100,
-            "list_gpu_processes": lambda device=None: f"GPU:0 (simulated {gpu.name})\nno processes are running",
-        }
-
-    def _accelerator_api(self) -> dict[str, Any]:
-        vc = self
-        return {
-            "is_available": lambda: True,
-            "device_count": lambda: 1,
-            "current_accelerator": lambda check_available=False: torch.device("cuda"),
-            "current_device_index": lambda: 0,
-            "current_device_idx": lambda: 0,
-            "set_device_index": lambda device: None,
-            "set_device_idx": lambda device: None,
-            "device_index": _NoDevice,
-            "current_stream": lambda device=None: _STREAM,
-            "set_stream": lambda stream: None,
-            "synchronize": lambda device=None: None,
-            "empty_cache": lambda: vc._counters("empty_cache"),
-            "memory_allocated": lambda device_index=None: vc._counters("allocated"),
-            "max_memory_allocated": lambda device_index=None: vc._counters("peak_allocated"),
-            "memory_reserved": lambda device_index=None: vc._counters("reserved"),
-            "max_memory_reserved": lambda device_index=None: vc._counters("peak_reserved"),
-            "reset_peak_memory_stats": lambda device_index=None: vc._counters("reset_peak"),
-            "memory_stats": lambda device_index=None: vc.memory_stats(),
-            "get_memory_info": lambda device_index=None: vc.mem_get_info(),
-        }
-
-    def _counters(self, what: str) -> Any:
-        alloc = self.allocator
-        if alloc is None:
-            return None if what in ("empty_cache", "reset_peak") else 0
-        if what == "empty_cache":
-            return alloc.empty_cache()
-        if what == "reset_peak":
-            return alloc.reset_peak()
-        return getattr(alloc.read(), what)
-
-    def mem_get_info(self) -> tuple[int, int]:
-        """(free, total) as ``cudaMemGetInfo`` would answer on the target: total less what is in use."""
-        total = self.gpu.memory_bytes
-        used = self.allocator.nvml_used() if self.allocator is not None else 0
-        return max(total - used, 0), total
-
-    def memory_stats(self) -> dict[str, int]:
-        """The main keys of ``torch.cuda.memory_stats()``, from the simulated allocator."""
-        if self.allocator is None:
-            return {}
-        c = self.allocator.read()
-        stats = {}
-        for key, current, peak in (("allocated_bytes", c.allocated, c.peak_allocated),
-                                   ("reserved_bytes", c.reserved, c.peak_reserved),
-                                   ("active_bytes", c.allocated, c.peak_allocated)):
-            for pool in ("all", "large_pool", "small_pool"):
-                stats[f"{key}.{pool}.current"] = current if pool == "all" else 0
-                stats[f"{key}.{pool}.peak"] = peak if pool == "all" else 0
-        stats.update(num_alloc_retries=0, num_ooms=0, num_sync_all_streams=0)
-        return stats
-
-    def memory_summary(self) -> str:
-        c = self.allocator.read() if self.allocator is not None else None
-        if c is None:
-            return f"simulated {self.gpu.name}: no allocator"
-        return (f"simulated {self.gpu.name}: allocated {c.allocated} B (peak {c.peak_allocated} B), "
-                f"reserved {c.reserved} B (peak {c.peak_reserved} B)")
-
-    def clock(self) -> float:
-        return self.allocator.clock() if self.allocator is not None else 0.0
 
     def __enter__(self) -> "VirtualCUDA":
         global _current
@@ -448,20 +312,17 @@ class VirtualCUDA:
             raise RuntimeError("a simulated CUDA device is already active; simulations cannot be nested")
         stack = ExitStack()
         try:
-            for attr, fn in self._cuda_api().items():
+            for attr, fn in self.runtime.cuda().items():
                 stack.enter_context(_replace(torch.cuda, attr, fn))
             accelerator = getattr(torch, "accelerator", None)
             if accelerator is not None:
                 memory = getattr(accelerator, "memory", None)
-                for attr, fn in self._accelerator_api().items():
+                for attr, fn in self.runtime.accelerator().items():
                     for module in (accelerator, memory):
                         if module is not None and hasattr(module, attr):
                             stack.enter_context(_replace(module, attr, fn))
-            # On the class, not in the mode: modes are per thread, and a DataLoader pins in its own.
-            stack.enter_context(_replace(torch.Tensor, "pin_memory", _pin_memory))
-            stack.enter_context(_replace(torch.Tensor, "is_pinned", _is_pinned))
-            # One stream: nothing to record (and a simulated stream is no torch.Stream to C++'s argument parser).
-            stack.enter_context(_replace(torch.Tensor, "record_stream", _record_stream))
+            for attr, fn in TENSOR_API.items():
+                stack.enter_context(_replace(torch.Tensor, attr, fn))
             # Checkpointing compares what forward saved (recorded in autograd's hooks,
             # where the mode is off: device meta) with what recomputation saves
             # (compared with the mode on: device cuda); compare the simulated GPU's tensors alike.
@@ -523,207 +384,9 @@ class VirtualCUDA:
         self.notes.setdefault("torch.save", "skipped: nothing was written")
         log.info("not writing %s: the simulation has shapes, not values", getattr(f, "name", f))
 
-    # -- kernels the target would pick ----------------------------------------
-    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        """``scaled_dot_product_attention`` as its CUDA dispatch runs it (aten/src/ATen/native/transformers/attention.cpp)."""
-        backend = select_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, self.sdpa)
-        ops = torch.ops.aten
-        if attn_mask is not None and attn_mask.dtype is torch.bool:
-            # convert_boolean_attn_mask (and its cuDNN twin): an additive mask in the query's dtype.
-            zero = torch.zeros((), dtype=query.dtype, device=attn_mask.device)
-            attn_mask = torch.where(attn_mask, zero, torch.full_like(zero, float("-inf")))
-        if backend == "cudnn":
-            lse = _needs_logsumexp(query, key, value)
-            if key.shape[-3] != query.shape[-3] and not _cudnn_gqa_on_meta():
-                return _CudnnGroupedAttention.apply(query, key, value, lse)
-            return ops._scaled_dot_product_cudnn_attention(
-                query, key, value, attn_mask, lse, dropout_p, is_causal, False, scale=scale
-            )[0]
-        if backend == "flash":
-            size = query.shape[-1]
-            if scale is None:
-                scale = size ** -0.5  # the original head size's scale, before padding
-            if size % 8:  # pad_last_dim<8>: the kernel takes head sizes in steps of 8
-                pad = 8 - size % 8
-                query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
-            out = ops._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
-            return out[..., :size] if size % 8 else out
-        if backend == "efficient":
-            if attn_mask is not None:
-                attn_mask = _preprocess_mask(attn_mask, query, key)
-            lse = _needs_logsumexp(query, key, value)
-            return ops._scaled_dot_product_efficient_attention(
-                query, key, value, attn_mask, lse, dropout_p, is_causal, scale=scale
-            )[0]
-        return ops._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
-        )[0]
-
-
-_cudnn_gqa: list[bool] = []
-
-
-def _cudnn_gqa_on_meta() -> bool:
-    """Whether this torch's meta kernels run cuDNN attention with grouped heads, forward and backward
-    (torch 2.13 does; 2.11's backward cannot), asked once with tiny tensors."""
-    if not _cudnn_gqa:
-        try:
-            q = torch.empty(1, 4, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
-            kv = torch.empty(1, 2, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
-            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kv, kv, None, True, 0.0, True, False)[0]
-            torch.autograd.grad(out.sum(), (q, kv))
-            _cudnn_gqa.append(True)
-        except Exception:
-            _cudnn_gqa.append(False)
-    return _cudnn_gqa[0]
-
-
-class _CudnnGroupedAttention(torch.autograd.Function):
-    """cuDNN attention with fewer key/value heads, where this torch's meta kernels cannot run it.
-
-    Forward keeps what the kernel keeps (the output and a float32 log-sum-exp per
-    query row); backward makes the query's gradient and the keys' and values' at
-    the query's heads, then sums each group of heads, as the GPU was measured to
-    (benchmarks/results/sdpa-choice-nvidia-h200.json, backward peaks).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, lse):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        stats = q.new_empty(*q.shape[:-1], 1, dtype=torch.float32) if lse else None
-        ctx.save_for_backward(q, k, v, out, *(() if stats is None else (stats,)))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors[:3]
-        groups = q.shape[-3] // k.shape[-3]
-        full = (*q.shape[:-1], k.shape[-1]), (*q.shape[:-1], v.shape[-1])
-        dk, dv = (q.new_empty(shape).unflatten(-3, (k.shape[-3], groups)).sum(-3) for shape in full)
-        return torch.empty_like(q), dk, dv, None
-
-
-def _needs_logsumexp(q, k, v) -> bool:
-    # should_compute_logsumexp: the backward needs it
-    return (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
-
-
-def _preprocess_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Memory-efficient attention's mask: expanded to 4-D, its last dimension padded to 16 (preprocess_mask)."""
-    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    last = mask.shape[-1]
-    if last % 16:
-        return torch.nn.functional.pad(mask, (0, 16 - last % 16))[..., :last]
-    if any(mask.stride(i) % 16 for i in range(3)):
-        return mask.contiguous()
-    return mask
-
-
-class _NoDevice:
-    """``torch.cuda.device(i)``: one simulated device, nothing to switch."""
-
-    def __init__(self, device: Any = None) -> None:
-        pass
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class _Stream:
-    """A CUDA stream of the simulated device: one queue, in order, never capturing a graph."""
-
-    device = _CUDA0
-    cuda_stream = 0
-    stream_id = 0
-    device_index = 0
-    device_type = 1
-
-    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
-        self.priority = priority
-
-    def is_capturing(self) -> bool:
-        return False
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-    def wait_stream(self, stream: Any) -> None:
-        return None
-
-    def wait_event(self, event: Any) -> None:
-        return None
-
-    def record_event(self, event: Any = None) -> Any:
-        return event if event is not None else _Event(current())
-
-    def __enter__(self) -> "_Stream":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_STREAM = _Stream()
-
-
-class _StreamContext(_NoDevice):
-    """``with torch.cuda.stream(s):``"""
-
-
-class _Event:
-    """A CUDA event on the simulated device: ``elapsed_time`` is the simulated time between records."""
-
-    def __init__(self, vc: "VirtualCUDA | None" = None) -> None:
-        self._vc = weakref.ref(vc) if vc is not None else None
-        self._at: float | None = None
-
-    def record(self, stream: Any = None) -> None:
-        vc = self._vc() if self._vc is not None else None
-        self._at = vc.clock() if vc is not None else 0.0
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-    def elapsed_time(self, end: "_Event") -> float:
-        """Milliseconds, as CUDA events report them."""
-        if self._at is None or end._at is None:
-            raise RuntimeError("both events must be recorded before elapsed_time(): call record() on each")
-        return 1e3 * (end._at - self._at)
-
-
-_pinned: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
-
-
 def _checkpoint_metadata(x: torch.Tensor) -> dict[str, Any]:
     device = _DEVICE.__get__(x)
     return {"shape": x.shape, "dtype": x.dtype, "device": _CUDA0 if device.type == "meta" else device}
-
-
-def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
-    # Page-locked host memory is host memory: the device pays nothing for it.
-    if not self.is_meta:
-        _pinned.add(self)
-    return self
-
-
-def _is_pinned(self: torch.Tensor, device: Any = None) -> bool:
-    return self in _pinned
-
-
-def _record_stream(self: torch.Tensor, stream: Any) -> None:
-    return None
 
 
 def _foreach_support_checks():

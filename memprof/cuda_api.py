@@ -1,0 +1,284 @@
+"""``torch.cuda`` and ``torch.accelerator`` as a simulated GPU answers them.
+
+:class:`CudaRuntime` gives the functions and classes a script calls: device
+properties from the GPU catalogue, memory from the simulated allocator, one
+stream that never captures a graph, events that time with the simulated
+clock, seeds and synchronisation that do nothing. They replace PyTorch's own
+for the duration of ``memprof.virtual_cuda.VirtualCUDA``, on a CPU-only build
+of torch (which has no CUDA runtime) and on a CUDA build with no visible GPU
+(whose runtime would fail) alike. :data:`TENSOR_API` holds what the runtime
+does for tensors: page-locked host memory is host memory (the device pays
+nothing for it) and one stream has nothing to record.
+"""
+
+from __future__ import annotations
+
+import weakref
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+
+from .devices import GPU
+
+__all__ = ["CudaRuntime", "TENSOR_API"]
+
+_CUDA0 = torch.device("cuda", 0)
+
+
+class CudaRuntime:
+    """The CUDA runtime of one simulated ``gpu`` whose memory ``allocator`` counts (or None)."""
+
+    def __init__(self, gpu: GPU, allocator: Any = None) -> None:
+        self.gpu, self.allocator = gpu, allocator
+
+    def cuda(self) -> dict[str, Any]:
+        """``torch.cuda``'s functions and classes."""
+        gpu, vc = self.gpu, self
+        props = SimpleNamespace(
+            name=gpu.name,
+            total_memory=gpu.memory_bytes,
+            major=gpu.compute_capability[0],
+            minor=gpu.compute_capability[1],
+            multi_processor_count=gpu.multiprocessors or 1,
+            is_integrated=False,
+            is_multi_gpu_board=False,
+            max_threads_per_multi_processor=2048,
+            warp_size=32,
+            uuid="00000000-0000-0000-0000-000000000000",
+            pci_bus_id=0,
+            pci_device_id=0,
+            pci_domain_id=0,
+            gcnArchName=gpu.name,
+        )
+        return {
+            "is_available": lambda: True,
+            "is_initialized": lambda: True,
+            "init": lambda: None,
+            "_lazy_init": lambda: None,
+            "device_count": lambda: 1,
+            "current_device": lambda: 0,
+            "set_device": lambda device: None,
+            "synchronize": lambda device=None: None,
+            "ipc_collect": lambda: None,
+            "get_device_name": lambda device=None: gpu.name,
+            "get_device_capability": lambda device=None: gpu.compute_capability,
+            "get_device_properties": lambda device=None: props,
+            "get_arch_list": lambda: [f"sm_{gpu.compute_capability[0]}{gpu.compute_capability[1]}"],
+            "is_bf16_supported": lambda including_emulation=True: gpu.bf16,
+            "is_tf32_supported": lambda: gpu.compute_capability >= (8, 0),
+            "manual_seed": lambda seed: None,
+            "manual_seed_all": lambda seed: None,
+            "seed": lambda: None,
+            "seed_all": lambda: None,
+            "initial_seed": lambda: 0,
+            "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+            "set_rng_state": lambda state, device="cuda": None,
+            "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8)],
+            "set_rng_state_all": lambda states: None,
+            "device": _NoDevice,
+            "device_of": _NoDevice,
+            "Stream": _Stream,
+            "ExternalStream": _Stream,
+            "Event": lambda *a, **k: _Event(vc.clock),
+            "stream": _StreamContext,
+            "current_stream": lambda device=None: _STREAM,
+            "default_stream": lambda device=None: _STREAM,
+            "set_stream": lambda stream: None,
+            "is_current_stream_capturing": lambda: False,
+            **self._memory(),
+            "memory_cached": _ignoring_args(lambda: vc._counters("reserved")),
+            "max_memory_cached": _ignoring_args(lambda: vc._counters("peak_reserved")),
+            "reset_max_memory_allocated": _ignoring_args(lambda: vc._counters("reset_peak")),
+            "reset_accumulated_memory_stats": lambda device=None: None,
+            "memory_summary": lambda device=None, abbreviated=False: vc.memory_summary(),
+            "mem_get_info": lambda device=None: vc.mem_get_info(),
+            "set_per_process_memory_fraction": lambda fraction, device=None: None,
+            "utilization": lambda device=None: 100,
+            "list_gpu_processes": lambda device=None: f"GPU:0 (simulated {gpu.name})\nno processes are running",
+        }
+
+    def accelerator(self) -> dict[str, Any]:
+        """``torch.accelerator``'s (and ``torch.accelerator.memory``'s) functions."""
+        vc = self
+        return {
+            "is_available": lambda: True,
+            "device_count": lambda: 1,
+            "current_accelerator": lambda check_available=False: torch.device("cuda"),
+            "current_device_index": lambda: 0,
+            "current_device_idx": lambda: 0,
+            "set_device_index": lambda device: None,
+            "set_device_idx": lambda device: None,
+            "device_index": _NoDevice,
+            "current_stream": lambda device=None: _STREAM,
+            "set_stream": lambda stream: None,
+            "synchronize": lambda device=None: None,
+            **self._memory(),
+            "get_memory_info": _ignoring_args(vc.mem_get_info),
+        }
+
+    def _memory(self) -> dict[str, Any]:
+        """Memory queries that torch.cuda and torch.accelerator share, answered by the simulated allocator."""
+        vc = self
+        return {
+            "empty_cache": _ignoring_args(lambda: vc._counters("empty_cache")),
+            "memory_allocated": _ignoring_args(lambda: vc._counters("allocated")),
+            "max_memory_allocated": _ignoring_args(lambda: vc._counters("peak_allocated")),
+            "memory_reserved": _ignoring_args(lambda: vc._counters("reserved")),
+            "max_memory_reserved": _ignoring_args(lambda: vc._counters("peak_reserved")),
+            "reset_peak_memory_stats": _ignoring_args(lambda: vc._counters("reset_peak")),
+            "memory_stats": _ignoring_args(vc.memory_stats),
+        }
+
+    def _counters(self, what: str) -> Any:
+        alloc = self.allocator
+        if alloc is None:
+            return None if what in ("empty_cache", "reset_peak") else 0
+        if what == "empty_cache":
+            return alloc.empty_cache()
+        if what == "reset_peak":
+            return alloc.reset_peak()
+        return getattr(alloc.read(), what)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) as ``cudaMemGetInfo`` would answer on the target: total less what is in use."""
+        total = self.gpu.memory_bytes
+        used = self.allocator.nvml_used() if self.allocator is not None else 0
+        return max(total - used, 0), total
+
+    def memory_stats(self) -> dict[str, int]:
+        """The main keys of ``torch.cuda.memory_stats()``, from the simulated allocator."""
+        if self.allocator is None:
+            return {}
+        c = self.allocator.read()
+        stats = {}
+        for key, current, peak in (("allocated_bytes", c.allocated, c.peak_allocated),
+                                   ("reserved_bytes", c.reserved, c.peak_reserved),
+                                   ("active_bytes", c.allocated, c.peak_allocated)):
+            for pool in ("all", "large_pool", "small_pool"):
+                stats[f"{key}.{pool}.current"] = current if pool == "all" else 0
+                stats[f"{key}.{pool}.peak"] = peak if pool == "all" else 0
+        stats.update(num_alloc_retries=0, num_ooms=0, num_sync_all_streams=0)
+        return stats
+
+    def memory_summary(self) -> str:
+        c = self.allocator.read() if self.allocator is not None else None
+        if c is None:
+            return f"simulated {self.gpu.name}: no allocator"
+        return (f"simulated {self.gpu.name}: allocated {c.allocated} B (peak {c.peak_allocated} B), "
+                f"reserved {c.reserved} B (peak {c.peak_reserved} B)")
+
+    def clock(self) -> float:
+        return self.allocator.clock() if self.allocator is not None else 0.0
+
+
+
+def _ignoring_args(answer: Callable[[], Any]) -> Callable[..., Any]:
+    """``answer`` for a query that takes a device (one simulated device: any answers alike)."""
+    return lambda *args, **kwargs: answer()
+
+
+class _NoDevice:
+    """``torch.cuda.device(i)``: one simulated device, nothing to switch."""
+
+    def __init__(self, device: Any = None) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _Stream:
+    """A CUDA stream of the simulated device: one queue, in order, never capturing a graph."""
+
+    device = _CUDA0
+    cuda_stream = 0
+    stream_id = 0
+    device_index = 0
+    device_type = 1
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.priority = priority
+
+    def is_capturing(self) -> bool:
+        return False
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> Any:
+        return event if event is not None else _Event()
+
+    def __enter__(self) -> "_Stream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_STREAM = _Stream()
+
+
+class _StreamContext(_NoDevice):
+    """``with torch.cuda.stream(s):``"""
+
+
+class _Event:
+    """A CUDA event on the simulated device: ``elapsed_time`` is the simulated time between records."""
+
+    def __init__(self, clock: Callable[[], float] = lambda: 0.0) -> None:
+        self._clock = clock
+        self._at: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self._at = self._clock()
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: "_Event") -> float:
+        """Milliseconds, as CUDA events report them."""
+        if self._at is None or end._at is None:
+            raise RuntimeError("both events must be recorded before elapsed_time(): call record() on each")
+        return 1e3 * (end._at - self._at)
+
+
+_pinned: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+
+
+def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+    # Page-locked host memory is host memory: the device pays nothing for it.
+    if not self.is_meta:
+        _pinned.add(self)
+    return self
+
+
+def _is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+    return self in _pinned
+
+
+def _record_stream(self: torch.Tensor, stream: Any) -> None:
+    return None
+
+
+#: Tensor methods as the simulated runtime has them, set on the class: modes are
+#: per thread, and a DataLoader pins in a thread of its own.
+TENSOR_API = {"pin_memory": _pin_memory, "is_pinned": _is_pinned, "record_stream": _record_stream}
