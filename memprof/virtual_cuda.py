@@ -9,7 +9,8 @@ and any model size fits. The script sees the target GPU wherever it looks:
   PyTorch's own Python code (optimizers picking ``foreach`` or ``fused``
   kernels, ``GradScaler``, checkpointing, ``autocast(device_type=x.device.type)``)
   take the paths they take on a GPU;
-* ``torch.cuda`` and ``torch.accelerator`` answer as the target would:
+* ``torch.cuda`` and ``torch.accelerator`` answer as the target would
+  (``memprof.cuda_api``):
   properties from the catalogue, memory from the simulated allocator
   (``memory_allocated``, ``max_memory_allocated``, ``mem_get_info``,
   ``memory_stats``), streams and events that time with the simulated clock,
