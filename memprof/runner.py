@@ -129,7 +129,8 @@ class _Observer:
             return
         model = self._find_model(opt)
         if self.simulated and not any(p.is_meta for p in model.parameters()):
-            where = next(model.parameters()).device.type if any(True for _ in model.parameters()) else "host"
+            first = next(model.parameters(), None)
+            where = first.device.type if first is not None else "host"
             raise _Stop(
                 f"{type(model).__name__} trains on the {where}, not on the simulated GPU: the script did not move it "
                 "to CUDA (it may pick its device from an option or an environment variable); run it the way it "

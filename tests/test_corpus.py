@@ -50,6 +50,15 @@ def _memprof(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
                           text=True, timeout=900)
 
 
+def _run(command: str, name: str, tmp_path: Path, *options: str, extra: tuple[str, ...] = ()) -> tuple[dict, str]:
+    """``memprof COMMAND`` on corpus entry ``name`` for the simulated H200: (its JSON, its stderr)."""
+    cwd, script, args = _args(name)
+    out = tmp_path / "out.json"
+    done = _memprof(cwd, command, script, "--target", "h200", *options, "--json", str(out), "--", *args, *extra)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text()), done.stderr
+
+
 def _needs(name: str) -> None:
     if CORPUS[name][3] and not HAS_TORCHVISION:
         pytest.skip("torchvision is not installed with this torch (the CI runs it with a CUDA build of torch)")
@@ -58,16 +67,12 @@ def _needs(name: str) -> None:
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_track_simulates_the_script(name, tmp_path):
     _needs(name)
-    cwd, script, args = _args(name)
-    out = tmp_path / "report.json"
-    done = _memprof(cwd, "track", script, "--target", "h200", "--steps", "2", "--json", str(out), "--", *args)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report, stderr = _run("track", name, tmp_path, "--steps", "2")
     assert report["source"] == "simulate" and report["meta"]["target"] == "H200-141GB"
     assert len(report["steps"]) == 2  # both optimizer steps ran (a GradScaler that found "inf" would skip them)
     peak = report["peak"]["bytes"]
     assert peak["parameters"] > 0 and peak["optimizer_state"] > 0  # Adam's moments or SGD's momentum
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in stderr
 
 
 def test_lora_trains_only_the_adapters(tmp_path):
@@ -75,33 +80,21 @@ def test_lora_trains_only_the_adapters(tmp_path):
 
     2 layers x 4 projections (q, k, v, o) x (A: 16 x 64 + B: 64 x 16) x 4 bytes = 65,536 bytes per state.
     """
-    cwd, script, args = _args("peft-lora")
-    out = tmp_path / "report.json"
-    done = _memprof(cwd, "track", script, "--target", "h200", "--steps", "2", "--json", str(out), "--", *args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    state = json.loads(out.read_text())["optimizer_state"]
+    state = _run("track", "peft-lora", tmp_path, "--steps", "2")[0]["optimizer_state"]
     assert state["exp_avg"] == state["exp_avg_sq"] == 2 * 4 * (16 * 64 + 64 * 16) * 4
 
 
 def test_compile_runs_eagerly_and_says_so(tmp_path):
-    cwd, script, args = _args("nanogpt-bf16")
-    out = tmp_path / "report.json"
-    done = _memprof(cwd, "track", script, "--target", "h200", "--steps", "2", "--json", str(out), "--", *args,
-                    "--compile=True")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "torch.compile is simulated eagerly" in done.stderr
-    assert "torch.compile" in json.loads(out.read_text())["meta"]["simulation_notes"]
+    report, stderr = _run("track", "nanogpt-bf16", tmp_path, "--steps", "2", extra=("--compile=True",))
+    assert "torch.compile is simulated eagerly" in stderr
+    assert "torch.compile" in report["meta"]["simulation_notes"]
 
 
 @pytest.mark.parametrize("name", ["nanogpt-fp16-scaler", "gqa-fp32", "hf-trainer", "lightning", "vision-reference",
                                   "peft-lora", "cuda-api-bf16"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
-    cwd, script, args = _args(name)
-    out = tmp_path / "advice.json"
-    done = _memprof(cwd, "advise", script, "--budget", "24GiB", "--target", "h200", "--json", str(out), "--", *args)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    advice = json.loads(out.read_text())
+    advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
     assert advice["target"] == "H200-141GB" and advice["best"] is not None
     assert len(advice["plans"]) > 1
 
