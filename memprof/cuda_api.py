@@ -98,6 +98,17 @@ class CudaRuntime:
             "list_gpu_processes": lambda device=None: f"GPU:0 (simulated {gpu.name})\nno processes are running",
         }
 
+    @staticmethod
+    def nvtx() -> dict[str, Any]:
+        """``torch.cuda.nvtx``'s markers: nothing to mark on a simulated GPU (a CPU build has no NVTX)."""
+        return {
+            "range_push": lambda msg, *args, **kwargs: 0,
+            "range_pop": lambda: 0,
+            "range_start": lambda msg, *args, **kwargs: 0,
+            "range_end": lambda range_id: None,
+            "mark": lambda msg, *args, **kwargs: None,
+        }
+
     def accelerator(self) -> dict[str, Any]:
         """``torch.accelerator``'s (and ``torch.accelerator.memory``'s) functions."""
         vc = self

@@ -315,6 +315,10 @@ class VirtualCUDA:
         try:
             for attr, fn in self.runtime.cuda().items():
                 stack.enter_context(_replace(torch.cuda, attr, fn))
+            import torch.cuda.nvtx as nvtx
+
+            for attr, fn in self.runtime.nvtx().items():
+                stack.enter_context(_replace(nvtx, attr, fn))
             accelerator = getattr(torch, "accelerator", None)
             if accelerator is not None:
                 memory = getattr(accelerator, "memory", None)
@@ -336,6 +340,12 @@ class VirtualCUDA:
                 for module, attr in _imported(original):
                     stack.enter_context(_replace(module, attr, replacement))
             stack.enter_context(_replace(torch.nn.Module, "_apply", _keeping_ties(torch.nn.Module._apply)))
+            # torch.set_default_device("cuda") makes factories allocate there from C++,
+            # below any mode: the simulated GPU's default is meta, reported as cuda.
+            set_default, get_default = torch.set_default_device, torch.get_default_device
+            stack.callback(set_default, get_default())
+            stack.enter_context(_replace(torch, "set_default_device", lambda device: set_default(_device_arg(device))))
+            stack.enter_context(_replace(torch, "get_default_device", lambda: _CUDA0 if get_default().type == "meta" else get_default()))
             stack.enter_context(_replace(torch, "compile", self._compile))
             stack.enter_context(_replace(torch.nn.Module, "compile", _module_compile(self)))
             stack.enter_context(_replace(torch, "save", self._save))

@@ -134,3 +134,33 @@ def test_what_cannot_be_simulated_is_one_line(tmp_path, command, source, says):
     assert lines[-1].startswith(says) and "Traceback" not in done.stderr
     if source is VALUE_SHAPED:
         assert lines[-1].endswith("(at train.py line 6); memprof could not observe a training step")
+
+
+LESS_COMMON = """\
+import torch, torch.nn as nn
+torch.set_default_device("cuda")
+model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+torch.set_default_device("cpu")
+opt = torch.optim.Adam(model.parameters(), capturable=True)
+assert next(model.parameters()).is_cuda
+for i in range(4):
+    torch.cuda.nvtx.range_push("step")
+    x = torch.randn(64, 256, device="cuda")
+    with torch.cuda.amp.autocast(dtype=torch.float16):
+        loss = nn.functional.cross_entropy(model(x), torch.randint(0, 10, (64,), device="cuda"), label_smoothing=0.1)
+    loss.backward()
+    opt.step(); opt.zero_grad(set_to_none=True)
+    torch.cuda.nvtx.range_pop()
+    print(f"step {i} loss {loss:.3f}")
+"""
+
+
+def test_less_common_cuda_calls(tmp_path):
+    """A default CUDA device, capturable Adam, NVTX ranges, the deprecated autocast, label smoothing under fp16."""
+    script = tmp_path / "train.py"
+    script.write_text(LESS_COMMON)
+    done = _memprof(tmp_path, "track", str(script), "--target", "a100-80gb", "--steps", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the model is small enough for its values to be followed: the loss is the real one, near ln(10)
+    losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and all(2.0 < loss < 2.6 for loss in losses)  # memprof stops the script in step 3
