@@ -87,9 +87,9 @@ class CudaRuntime:
             "set_stream": lambda stream: None,
             "is_current_stream_capturing": lambda: False,
             **self._memory(),
-            "memory_cached": _ignoring_args(lambda: vc._counters("reserved")),
-            "max_memory_cached": _ignoring_args(lambda: vc._counters("peak_reserved")),
-            "reset_max_memory_allocated": _ignoring_args(lambda: vc._counters("reset_peak")),
+            "memory_cached": vc._count("reserved"),
+            "max_memory_cached": vc._count("peak_reserved"),
+            "reset_max_memory_allocated": vc._call("reset_peak"),
             "reset_accumulated_memory_stats": lambda device=None: None,
             "memory_summary": lambda device=None, abbreviated=False: vc.memory_summary(),
             "mem_get_info": lambda device=None: vc.mem_get_info(),
@@ -130,26 +130,23 @@ class CudaRuntime:
 
     def _memory(self) -> dict[str, Any]:
         """Memory queries that torch.cuda and torch.accelerator share, answered by the simulated allocator."""
-        vc = self
         return {
-            "empty_cache": _ignoring_args(lambda: vc._counters("empty_cache")),
-            "memory_allocated": _ignoring_args(lambda: vc._counters("allocated")),
-            "max_memory_allocated": _ignoring_args(lambda: vc._counters("peak_allocated")),
-            "memory_reserved": _ignoring_args(lambda: vc._counters("reserved")),
-            "max_memory_reserved": _ignoring_args(lambda: vc._counters("peak_reserved")),
-            "reset_peak_memory_stats": _ignoring_args(lambda: vc._counters("reset_peak")),
-            "memory_stats": _ignoring_args(vc.memory_stats),
+            "empty_cache": self._call("empty_cache"),
+            "memory_allocated": self._count("allocated"),
+            "max_memory_allocated": self._count("peak_allocated"),
+            "memory_reserved": self._count("reserved"),
+            "max_memory_reserved": self._count("peak_reserved"),
+            "reset_peak_memory_stats": self._call("reset_peak"),
+            "memory_stats": _ignoring_args(self.memory_stats),
         }
 
-    def _counters(self, what: str) -> Any:
-        alloc = self.allocator
-        if alloc is None:
-            return None if what in ("empty_cache", "reset_peak") else 0
-        if what == "empty_cache":
-            return alloc.empty_cache()
-        if what == "reset_peak":
-            return alloc.reset_peak()
-        return getattr(alloc.read(), what)
+    def _count(self, field: str) -> Callable[..., int]:
+        """A query answering the allocator's counter ``field`` (0 without an allocator)."""
+        return _ignoring_args(lambda: getattr(self.allocator.read(), field) if self.allocator is not None else 0)
+
+    def _call(self, method: str) -> Callable[..., None]:
+        """A call of the allocator's ``method`` (nothing without an allocator)."""
+        return _ignoring_args(lambda: getattr(self.allocator, method)() if self.allocator is not None else None)
 
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) as ``cudaMemGetInfo`` would answer on the target: total less what is in use."""
@@ -181,7 +178,6 @@ class CudaRuntime:
 
     def clock(self) -> float:
         return self.allocator.clock() if self.allocator is not None else 0.0
-
 
 
 def _ignoring_args(answer: Callable[[], Any]) -> Callable[..., Any]:

@@ -80,8 +80,9 @@ class Environment:
             return self.cudnn > 91500 and major in (9, 10) and minor in (0, 3)
         return self.cudnn > 91500 and major in (9, 10)
 
-    def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        """``scaled_dot_product_attention`` as its CUDA dispatch runs it (aten/src/ATen/native/transformers/attention.cpp):
+    def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False):
+        """``scaled_dot_product_attention`` as its CUDA dispatch runs it (native/transformers/attention.cpp):
         the kernel :func:`select_backend` picks, with the mask conversion and padding around it."""
         backend = select_backend(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, self)
         ops = torch.ops.aten
@@ -237,7 +238,7 @@ def _efficient(q, k, v, mask, dropout, causal, gqa, env: Environment) -> bool:
         and _batch_and_heads(q, k, v, gqa, env.newer, env)
     ):
         return False
-    allowed = (torch.float16, torch.float32, torch.bfloat16) if env.capability[0] >= 8 else (torch.float16, torch.float32)
+    allowed = (torch.float16, torch.float32) + ((torch.bfloat16,) if env.capability[0] >= 8 else ())
     return _dtype_ok(q, k, v, allowed)
 
 

@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils import _foreach_utils
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .autocast_policy import AutocastPolicy, cross_entropy_loss
@@ -336,16 +337,18 @@ class VirtualCUDA:
             checks = getattr(ckpt, "_allowed_determinism_checks_to_fns", None)
             if isinstance(checks, dict) and "default" in checks:
                 stack.enter_context(_replace_item(checks, "default", _checkpoint_metadata))
-            for original, replacement in _foreach_support_checks():
-                for module, attr in _imported(original):
-                    stack.enter_context(_replace(module, attr, replacement))
+            original = _foreach_utils._device_has_foreach_support
+            for module, attr in _imported(original):
+                stack.enter_context(_replace(module, attr, _foreach_support_for_meta(original)))
             stack.enter_context(_replace(torch.nn.Module, "_apply", _keeping_ties(torch.nn.Module._apply)))
             # torch.set_default_device("cuda") makes factories allocate there from C++,
             # below any mode: the simulated GPU's default is meta, reported as cuda.
             set_default, get_default = torch.set_default_device, torch.get_default_device
             stack.callback(set_default, get_default())
             stack.enter_context(_replace(torch, "set_default_device", lambda device: set_default(_device_arg(device))))
-            stack.enter_context(_replace(torch, "get_default_device", lambda: _CUDA0 if get_default().type == "meta" else get_default()))
+            stack.enter_context(
+                _replace(torch, "get_default_device", lambda: _CUDA0 if get_default().type == "meta" else get_default())
+            )
             stack.enter_context(_replace(torch, "compile", self._compile))
             stack.enter_context(_replace(torch.nn.Module, "compile", _module_compile(self)))
             stack.enter_context(_replace(torch, "save", self._save))
@@ -395,21 +398,20 @@ class VirtualCUDA:
         self.notes.setdefault("torch.save", "skipped: nothing was written")
         log.info("not writing %s: the simulation has shapes, not values", getattr(f, "name", f))
 
+
 def _checkpoint_metadata(x: torch.Tensor) -> dict[str, Any]:
     device = _DEVICE.__get__(x)
     return {"shape": x.shape, "dtype": x.dtype, "device": _CUDA0 if device.type == "meta" else device}
 
 
-def _foreach_support_checks():
-    """PyTorch's "does this device have foreach kernels" checks, answering for meta as for CUDA."""
-    from torch.utils import _foreach_utils as fu
-
-    original = fu._device_has_foreach_support
+def _foreach_support_for_meta(original: Callable) -> Callable:
+    """PyTorch's "does this device have foreach kernels" check, answering for meta as for CUDA
+    (gradient clipping groups tensors by their real device, meta)."""
 
     def _device_has_foreach_support(device: torch.device) -> bool:
         return original(_CUDA0 if device.type == "meta" else device)
 
-    yield original, _device_has_foreach_support
+    return _device_has_foreach_support
 
 
 def _imported(function: Callable) -> list[tuple[Any, str]]:
