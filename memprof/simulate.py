@@ -32,6 +32,7 @@ from .allocator import Counters
 from .aten_args import tensors
 from .caching import CachingAllocatorModel
 from .devices import GPU, get_gpu
+from .meta_kernels import KernelCache
 from .report import Report
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
@@ -153,32 +154,42 @@ class SimulatedAllocator(TorchDispatchMode):
             self.model.free(handle)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out, cost = KERNELS.run(func, args, kwargs, _cost)
         if self._workspace is None and func.__name__.split(".")[0] in _MATMUL_OPS:
             # Taken at the first matrix product and kept for the process's life.
             self._workspace = self.model.malloc(cublas_workspace_bytes(self.gpu))
-        outs = tensors(out)
-        for t in outs:
+        for t in tensors(out):
             if t.is_meta:
                 self._allocate(t.untyped_storage())
-        if not getattr(func, "is_view", False) and func.__name__.split(".")[0] not in _NO_KERNEL:
-            ins = tensors(args, kwargs)
-            # Only the device's work takes device time: the host's own tensors (a data pipeline) do not.
-            if any(t.is_meta for t in outs) or any(t.is_meta for t in ins):
-                self._account(func, args, kwargs or {}, out, outs, ins)
+        if cost is not None:
+            flops, nbytes, dtype, conv = cost
+            tf32 = conv and torch.backends.cudnn.allow_tf32
+            self.seconds += self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32)
+            self.flops += flops
+            self.bytes_moved += nbytes
+            self.kernels += 1
+            if self.trace is not None:
+                self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0)))
         return out
 
-    def _account(self, func, args, kwargs, out, outs, ins) -> None:
-        flops = _flops(func, args, kwargs, out)
-        nbytes = sum(t.numel() * t.element_size() for t in (*ins, *outs))
-        dtype = next((t.dtype for t in ins if t.is_floating_point()), None)
-        tf32 = torch.backends.cudnn.allow_tf32 and "convolution" in func.__name__
-        self.seconds += self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32)
-        self.flops += flops
-        self.bytes_moved += nbytes
-        self.kernels += 1
-        if self.trace is not None:
-            self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0)))
+
+def _cost(func, args: tuple, kwargs: dict, out: Any):
+    """A kernel's (flops, bytes read and written, input dtype, is a convolution), or
+    None for an operator that launches no kernel on the device."""
+    if getattr(func, "is_view", False) or func.__name__.split(".")[0] in _NO_KERNEL:
+        return None
+    ins, outs = tensors(args, kwargs), tensors(out)
+    # Only the device's work takes device time: the host's own tensors (a data pipeline) do not.
+    if not (any(t.is_meta for t in outs) or any(t.is_meta for t in ins)):
+        return None
+    nbytes = sum(t.numel() * t.element_size() for t in (*ins, *outs))
+    dtype = next((t.dtype for t in ins if t.is_floating_point()), None)
+    return _flops(func, args, kwargs, out), nbytes, dtype, "convolution" in func.__name__
+
+
+#: Meta kernels' results by signature, shared by every simulation in the process.
+KERNELS = KernelCache()
 
 
 def _flops(func, args: tuple, kwargs: dict, out: Any) -> int:

@@ -1,0 +1,57 @@
+"""The meta-kernel cache: fresh outputs by signature, nothing else."""
+
+import torch
+
+from memprof.meta_kernels import KernelCache
+
+aten = torch.ops.aten
+
+
+def _count(func, args, kwargs, out):
+    return func.__name__
+
+
+def test_fresh_outputs_are_rebuilt_from_their_layout():
+    cache = KernelCache()
+    a = torch.empty(512, 256, device="meta")
+    b = torch.empty(256, 128, device="meta").t()  # a transposed operand: the key holds strides
+    first, v1 = cache.run(aten.mm.default, (a, b.t()), {}, _count)
+    second, v2 = cache.run(aten.mm.default, (a, b.t()), {}, _count)
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert v1 == v2 == "mm.default"
+    assert second.shape == first.shape == (512, 128) and second.stride() == first.stride()
+    assert second.untyped_storage().nbytes() == 512 * 128 * 4
+    assert second.untyped_storage()._cdata != first.untyped_storage()._cdata  # a new storage each call
+
+
+def test_other_shapes_dtypes_and_scalars_miss():
+    cache = KernelCache()
+    x = torch.empty(4, 8, device="meta")
+    cache.run(aten.mul.Scalar, (x, 2), {}, _count)
+    cache.run(aten.mul.Scalar, (x, 2.0), {}, _count)  # a float scalar is another argument
+    cache.run(aten.mul.Scalar, (x.half(), 2), {}, _count)
+    cache.run(aten.mul.Scalar, (torch.empty(8, 4, device="meta"), 2), {}, _count)
+    assert (cache.misses, cache.hits) == (4, 0)
+
+
+def test_views_in_place_and_host_tensors_are_not_kept():
+    cache = KernelCache()
+    x = torch.empty(4, 8, device="meta")
+    for _ in range(2):
+        v, _ = cache.run(aten.view.default, (x, [32]), {}, _count)
+        assert v.untyped_storage()._cdata == x.untyped_storage()._cdata
+        y, _ = cache.run(aten.add_.Tensor, (x, x), {}, _count)
+        assert y is x
+        h, _ = cache.run(aten.add.Tensor, (torch.ones(3), torch.ones(3)), {}, _count)
+        assert h.tolist() == [2.0, 2.0, 2.0]  # computed, not rebuilt
+    assert cache.hits == 0
+
+
+def test_several_outputs_keep_their_structure():
+    cache = KernelCache()
+    x = torch.empty(2, 16, 64, device="meta")
+    w, b = torch.empty(64, device="meta"), torch.empty(64, device="meta")
+    for _ in range(2):
+        out, _ = cache.run(aten.native_layer_norm.default, (x, [64], w, b, 1e-5), {}, _count)
+        assert isinstance(out, tuple) and [t.shape for t in out] == [(2, 16, 64), (2, 16, 1), (2, 16, 1)]
+    assert cache.hits == 1
