@@ -105,7 +105,9 @@ class KernelCache:
         out = func(*args, **kwargs)
         value = cost(func, args, kwargs, out)
         if key is not None and entry is None:
-            layout = _layout(out)
+            # Some operators alias an input without saying so in their schema (aten._unsafe_view).
+            inputs = {t.untyped_storage()._cdata for t in leaves(args, kwargs) if isinstance(t, torch.Tensor)}
+            layout = _layout(out, inputs)
             self._entries[key] = _UNCACHEABLE if layout is None else (layout, value)
         return out, value
 
@@ -119,10 +121,11 @@ class _Fresh:
         self.shape, self.stride, self.dtype = shape, stride, dtype
 
 
-def _layout(out: Any):
+def _layout(out: Any, inputs: set):
     """``out`` with each tensor replaced by its :class:`_Fresh` layout, or None
-    when an output cannot be rebuilt from its layout alone."""
-    seen = set()
+    when an output cannot be rebuilt from its layout alone (``inputs``: the
+    inputs' storages)."""
+    seen = set(inputs)
     ok = True
 
     def one(t: Any):

@@ -55,3 +55,13 @@ def test_several_outputs_keep_their_structure():
         out, _ = cache.run(aten.native_layer_norm.default, (x, [64], w, b, 1e-5), {}, _count)
         assert isinstance(out, tuple) and [t.shape for t in out] == [(2, 16, 64), (2, 16, 1), (2, 16, 1)]
     assert cache.hits == 1
+
+
+def test_an_output_that_aliases_an_input_is_not_kept():
+    # aten._unsafe_view's schema says nothing of aliasing, but its result shares the input's storage.
+    cache = KernelCache()
+    x = torch.empty(16, 64, device="meta")
+    for _ in range(2):
+        v, _ = cache.run(aten._unsafe_view.default, (x, [4, 4, 64]), {}, _count)
+        assert v.untyped_storage()._cdata == x.untyped_storage()._cdata
+    assert cache.hits == 0
