@@ -196,23 +196,37 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_gpus(args: argparse.Namespace, console: Console) -> int:
+    from rich import box
+
+    from .devices import Segment
+
     df = list_gpus()
     table = Table(
-        title="GPU catalogue: dense tensor-core TFLOPS, bandwidths per direction, CC = compute capability",
-        title_justify="left",
+        title="GPU catalogue: dense tensor-core TFLOPS with FP32 accumulate (FP32: CUDA cores), "
+              "GB/s per direction, CC = compute capability",
+        caption="BF16: bfloat16 tensor cores, at the FP16 rate; link: NVLink, Infinity Fabric on AMD (MI300X's "
+                "CC is the 9.4 that ROCm reports)",
+        title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), show_edge=False,
     )
-    for header in ("GPU", "mem\nGiB", "mem\nGB/s", "FP16\nTFLOPS", "BF16\nTFLOPS", "FP32\nTFLOPS",
-                   "PCIe\nGB/s", "NVLink\nGB/s", "CC"):
-        table.add_column(header, justify="left" if header == "GPU" else "right", no_wrap=header == "GPU")
+    for header in ("GPU", "mem\nGiB", "mem\nGB/s", "FP16", "BF16", "TF32", "FP32", "PCIe\nGB/s", "link\nGB/s", "CC"):
+        table.add_column(header, justify="left" if header == "GPU" else "right", no_wrap=True)
 
-    def num(x) -> str:
-        return "-" if pd.isna(x) else f"{x:g}"
+    def num(x, missing: str = "-") -> str:  # at most 4 characters: 2250, 989, 59.5, 8.1
+        return missing if pd.isna(x) else f"{x:.0f}" if x >= 100 else f"{x:.3g}"
 
-    for name, row in df.iterrows():
-        table.add_row(
-            name, num(row.memory_gib), num(row.mem_gb_s), num(row.fp16_tflops), num(row.bf16_tflops),
-            num(row.fp32_tflops), num(row.pcie_gb_s), num(row.nvlink_gb_s), ".".join(map(str, row.compute_capability)),
-        )
+    for segment in Segment:
+        rows = df[df.segment == segment.value]
+        # Within a segment: NVIDIA first, then by generation, speed and size.
+        order = sorted(rows.index, key=lambda n: (rows.at[n, "vendor"] != "nvidia", rows.at[n, "compute_capability"],
+                                                  rows.at[n, "fp16_tflops"], rows.at[n, "memory_bytes"]))
+        table.add_row(f"[bold]{segment.value}[/bold]")
+        for i, name in enumerate(order):
+            row = rows.loc[name]
+            table.add_row(
+                name, num(row.memory_gib), num(row.mem_gb_s), num(row.fp16_tflops), "yes" if row.bf16 else "no",
+                num(row.tf32_tflops, "no"), num(row.fp32_tflops), num(row.pcie_gb_s), num(row.nvlink_gb_s),
+                ".".join(map(str, row.compute_capability)), end_section=i == len(order) - 1,
+            )
     console.print(table)
     return 0
 
