@@ -12,12 +12,14 @@ next to the prediction.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import statistics
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
 
 import pandas as pd
 import torch
@@ -25,7 +27,7 @@ import torch
 from .categories import Category
 from .devices import GPU, get_gpu
 from .report import Report
-from .simulate import NON_PYTORCH_BYTES, simulate
+from .simulate import NON_PYTORCH_BYTES
 from .units import fmt_bytes
 from .workload import Workload
 
@@ -66,21 +68,25 @@ def parse_budget(budget: int | str | GPU) -> tuple[int, GPU | None]:
     return gpu.memory_bytes - NON_PYTORCH_BYTES, gpu
 
 
-def default_plans(world_size: int = 1, pure_bf16: bool = False) -> dict[str, PlanFactory]:
+def default_plans(world_size: int = 1, pure_bf16: bool = False, gpu: GPU | None = None) -> dict[str, PlanFactory]:
     """Single strategies and sensible combinations, by name (fresh strategy objects per call).
 
-    Pure bf16 weights (no fp32 master copy) change what training computes, so
-    those plans are offered only with ``pure_bf16=True``.
+    Mixed precision is bf16 autocast, or fp16 autocast with a GradScaler on a
+    ``gpu`` without bf16 (before Ampere: V100, T4). Pure bf16 weights (no fp32
+    master copy) change what training computes, so those plans are offered
+    only with ``pure_bf16=True``.
     """
     from memprof.strategies import Accumulation, ActivationOffload, Autocast, Checkpointing, PureBF16, StateOffload, ZeRO
 
+    half = "fp16" if gpu is not None and not gpu.bf16 else "bf16"
+    mixed = lambda: Autocast(half)  # noqa: E731
     plans: dict[str, PlanFactory] = {"baseline": list}
-    for prec in (None, "bf16", *(("pure_bf16",) if pure_bf16 else ())):
+    for prec in (None, half, *(("pure_bf16",) if pure_bf16 and half == "bf16" else ())):
         for ckpt in (False, True):
             for k in (1, 2, 4, 8):
                 parts = []
-                if prec == "bf16":
-                    parts.append(lambda: Autocast("bf16"))
+                if prec == half:
+                    parts.append(mixed)
                 elif prec == "pure_bf16":
                     parts.append(PureBF16)
                 if ckpt:
@@ -89,14 +95,13 @@ def default_plans(world_size: int = 1, pure_bf16: bool = False) -> dict[str, Pla
                     parts.append(lambda k=k: Accumulation(k))
                 if parts:
                     plans[_name(p() for p in parts)] = lambda parts=tuple(parts): [p() for p in parts]
-    for prec in (None, "bf16"):
-        parts = ([lambda: Autocast("bf16")] if prec else []) + [ActivationOffload]
-        plans[_name(p() for p in parts)] = lambda parts=tuple(parts): [p() for p in parts]
-        parts = ([lambda: Autocast("bf16")] if prec else []) + [StateOffload]
-        plans[_name(p() for p in parts)] = lambda parts=tuple(parts): [p() for p in parts]
+    for prec in (None, half):
+        for offload in (ActivationOffload, StateOffload):
+            parts = ([mixed] if prec else []) + [offload]
+            plans[_name(p() for p in parts)] = lambda parts=tuple(parts): [p() for p in parts]
     if world_size > 1:
         for stage, offload in ((1, False), (2, False), (3, False), (3, True)):
-            for extra in ([], [lambda: Autocast("bf16")], [lambda: Autocast("bf16"), Checkpointing]):
+            for extra in ([], [mixed], [mixed, Checkpointing]):
                 parts = [*extra, lambda s=stage, o=offload: ZeRO(s, world_size, offload=o)]
                 plans[_name(p() for p in parts)] = lambda parts=tuple(parts): [p() for p in parts]
     return plans
@@ -122,18 +127,7 @@ class Advice:
         return best_of(self.table)
 
     def __rich__(self):
-        from rich.table import Table
-
-        t = Table(title=f"plans for {fmt_bytes(self.budget)} on {self.gpu.name}, {self.world_size} rank(s): fastest that fits first")
-        for col in ("plan", "peak allocated", "peak reserved", "fits", "step time", "vs baseline", "why"):
-            t.add_column(col, overflow="fold")
-        for name, r in self.table.iterrows():
-            t.add_row(
-                str(name), fmt_bytes(r["peak_allocated"]), fmt_bytes(r["peak_reserved"]), "yes" if r["fits"] else "no",
-                f"{1e3 * r['seconds']:.1f} ms", f"{100 * (r['slowdown'] - 1):+.0f} %", r["why"],
-                style=None if r["fits"] else "dim",
-            )
-        return t
+        return plan_table(self)
 
 
 def simulate_plan(
@@ -146,23 +140,203 @@ def simulate_plan(
 ):
     """Predict one plan: returns a ``memprof.strategies.Prediction`` (per rank)."""
     from memprof.strategies import Prediction
-    from memprof.strategies.zero import fsdp_units
 
     strategies = plan()
-    units = {}
+    base, preds = simulate_plans(make_workload, {"plan": strategies}, gpu, steps=steps, base=strategies)
+    pred = preds["plan"]
+    if isinstance(pred, Exception):
+        raise pred
+    if baseline is not None:  # adjusted against the caller's baseline instead of the plan's own step
+        pred = _adjusted(Prediction.from_report(pred.report), strategies, baseline, gpu)
+    return pred
 
-    def setup():
-        w = make_workload()
-        units.update(fsdp_units(w.model))
-        for s in strategies:
+
+def simulate_plans(
+    make_workload: Callable[[], Workload],
+    plans: dict[str, list],
+    gpu: GPU,
+    *,
+    steps: int = 2,
+    base: list | None = None,
+    advance: Callable[[str], None] | None = None,
+) -> tuple[Report, dict]:
+    """Simulate many plans on one build of the workload.
+
+    The workload is built on the simulated ``gpu`` with the ``base``
+    strategies applied for good and runs ``steps`` steps: the base report.
+    Then each plan's other strategies are applied, one step runs, and they
+    are undone (:meth:`Workload.plan`), with the allocator's free cache
+    emptied before, so that each plan's reserved memory is its own. From its
+    second step on, a fresh run of a plan holds the same tensors (parameters,
+    optimizer state), so that one step is the plan's steady step.
+
+    Plans whose steps run the same on one rank (they differ only in what is
+    accounted for afterwards, like ZeRO's sharding) share one step, and a
+    repeated micro-batch runs once (:class:`_Repeats`). A plan whose step
+    raises ends the build; the plans after it get a new one. Returns the base
+    report and, per plan, a ``Prediction`` or the exception that stopped it.
+    """
+    from memprof.strategies import Prediction
+
+    base = list(base or [])
+    preds: dict[str, Any] = {}
+    pending = dict(plans)
+    report = None
+    while pending:
+        first, views, failed = _session(make_workload, base, pending, gpu, steps, advance)
+        report = report or first
+        for name, outcome in {**views, **failed}.items():
+            preds[name] = outcome if isinstance(outcome, Exception) else _adjusted(
+                Prediction.from_report(outcome), plans[name], report, gpu)
+            pending.pop(name)
+    return report, preds
+
+
+def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps: int, advance=None):
+    """One build: the base report, a report view per plan simulated, and the
+    plans that failed, until a step fails midway (the rest are left out)."""
+    from memprof.strategies.zero import fsdp_units
+
+    from .simulate import SimulatedAllocator, _state_tensors
+    from .tracker import track
+    from .virtual_cuda import VirtualCUDA
+
+    allocator = SimulatedAllocator(gpu)
+    base_names = {s.name for s in base}
+    rest = {name: [s for s in ss if s.name not in base_names] for name, ss in plans.items()}
+    keys = {name: tuple(s.name for s in ss if s.simulated) for name, ss in rest.items()}
+    # Strategies that are accounted for afterwards (sharding) read the samples of a steady step.
+    sampled = {keys[name] for name, ss in rest.items() if not all(s.simulated for s in ss)}
+    views: dict[tuple, Any] = {}
+    failed: dict[str, Exception] = {}
+    with VirtualCUDA(gpu, allocator=allocator) as device:
+        with torch.device("meta"):
+            w = make_workload()
+        allocator.adopt(_state_tensors(w.model, w.optimizer))
+        units = fsdp_units(w.model)
+        for s in base:
             s.apply_simulated(w)
-        return w.model, w.optimizer, w.step
+        w.repeats = _Repeats(allocator)
+        built = copy.deepcopy(allocator.model)
+        with track(w.model, w.optimizer, warmup=steps, every=1, timeline_steps=steps * (1 + len(plans))) as prof:
+            for _ in range(steps):
+                w.step()
+            report = prof.report()
+            views[()] = report
+            for name, strategies in rest.items():
+                if keys[name] not in views:
+                    if hasattr(advance, "now"):
+                        advance.now(name)
+                    with ExitStack() as undo:
+                        try:
+                            undo.enter_context(w.plan(strategies, simulated=True))
+                            _restart(w, allocator, built)
+                        except Exception as exc:
+                            failed[name] = exc
+                        else:
+                            try:
+                                views[keys[name]] = _plan_steps(w, allocator, prof, steps, keys[name] in sampled)
+                            except Exception as exc:  # the build is left midway through a step
+                                failed[name] = exc
+                                break
+                if advance is not None:
+                    advance(name)
+            everything = prof.report()
+    report.source = "simulate"
+    report.meta.update(units, target=gpu.name, host="cpu" if not torch.cuda.is_available() else "cuda",
+                       plan=_name(base))
+    if device.notes:
+        report.meta["simulation_notes"] = dict(device.notes)
+    out = {}
+    for name in rest:
+        view = views.get(keys[name])
+        if isinstance(view, tuple):  # (step, derived counters)
+            step, derived = view
+            view = _step_view(everything, step)
+            if derived is not None:
+                view.steps.loc[:, ["peak_allocated", "peak_reserved", "seconds"]] = [derived]
+        if view is not None:
+            out[name] = view
+    return report, out, failed
 
-    report = simulate(setup, target=gpu, steps=steps)
-    report.meta.update(units, plan=_name(strategies))
-    pred = Prediction.from_report(report)
+
+def _plan_steps(w: Workload, allocator, prof, steps: int, sampled: bool) -> tuple:
+    """Run a plan's first step; derive the steps after it from its allocation
+    events (:func:`memprof.simulate.replay_step`) unless their samples are
+    needed or the events do not repeat. Returns the step to report and the
+    derived (peak allocated, peak reserved, seconds), or None."""
+    from .simulate import replay_step
+
+    allocator.events, start = [], allocator.seconds
+    try:
+        w.step()
+    finally:
+        events, allocator.events = allocator.events, None
+    derived = None if sampled or steps == 1 else replay_step(allocator.model, events, allocator.seconds - start)
+    if derived is None:
+        for _ in range(steps - 1):
+            w.step()
+    return prof.step - 1, derived
+
+
+def _restart(w: Workload, allocator, built) -> None:
+    """Bring the simulated device back to the state it had after the build,
+    where a fresh run of the next plan starts: no gradients, no optimizer
+    state, no cuBLAS workspace, and only what the build cached."""
+    w.optimizer.zero_grad(set_to_none=True)
+    w.optimizer.state.clear()  # made again by the plan's first step, as in a fresh run
+    if not allocator.rewind(built):
+        allocator.empty_cache()
+        log.debug("the device holds tensors made after the build: a plan's reserved memory may differ from its own run")
+
+
+class _Repeats:
+    """``Workload.repeats`` on the simulated GPU.
+
+    Micro-batches run the same operators on the same shapes, and the
+    caching allocator answers the same requests from the same layout the
+    same way. So once micro-batch ``i`` starts from the layout micro-batch
+    ``j`` started from, micro-batches ``j .. i-1`` repeat with period
+    ``i - j``: whole periods are skipped, their time charged to the
+    simulated clock, and the remainder runs, so the step ends in the layout
+    a full run ends in (a period later the layout is the same again).
+    """
+
+    def __init__(self, allocator) -> None:
+        self.allocator = allocator
+        self._seen: dict[tuple, int] = {}
+        self._starts: dict[int, float] = {}
+
+    def __call__(self, i: int, n: int) -> int:
+        if i == 0:
+            self._seen.clear()
+            self._starts.clear()
+        layout, now = self.allocator.model.layout(), self.allocator.seconds
+        j = self._seen.get(layout)
+        if j is None:
+            self._seen[layout], self._starts[i] = i, now
+            return 0
+        period = i - j
+        cycles = (n - i) // period
+        self.allocator.seconds += cycles * (now - self._starts[j])
+        self._seen.clear()  # the layouts seen map to other micro-batch numbers from here
+        self._starts.clear()
+        return cycles * period
+
+
+def _step_view(report: Report, step: int) -> Report:
+    """``report`` cut to one step's row and samples (what a plan's prediction reads)."""
+    return replace(
+        report,
+        steps=report.steps[report.steps["step"] == step].reset_index(drop=True),
+        timeline=report.timeline[report.timeline["step"] == step].reset_index(drop=True),
+    )
+
+
+def _adjusted(pred, strategies: list, baseline: Report, gpu: GPU):
+    """``pred`` after each strategy accounts for what one rank's simulation does not run."""
     for s in strategies:
-        pred = s.adjust(pred, baseline or report, gpu)
+        pred = s.adjust(pred, baseline, gpu)
     return pred
 
 
@@ -183,6 +357,8 @@ def advise(
     CUDA; it runs on the simulated ``target``, default: the budget's GPU, else
     an H100). A plan fits when its predicted peak reserved memory, plus
     ``margin`` of it for the simulation's error, is within the budget.
+    Plans are simulated on as few builds as their strategies allow
+    (:func:`simulate_plans`): one, unless some cannot be undone (pure bf16).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
@@ -190,27 +366,29 @@ def advise(
         raise ValueError(f"margin must be in [0, 1), got {margin!r}")
     nbytes, named = parse_budget(budget)
     gpu = get_gpu(target) if target is not None else (named or get_gpu("H100-80GB"))
-    plans = plans or default_plans(world_size)
+    plans = plans or default_plans(world_size, gpu=gpu)
     if "baseline" not in plans:  # every plan is judged against the step as it is
         plans = {"baseline": list, **plans}
-    rows = []
-    baseline: Report | None = None
-    base_pred = None
+    built = {name: factory() for name, factory in plans.items()}
+    # Plans grouped by the strategies that cannot be undone: each group is one build.
+    groups: dict[tuple, dict[str, list]] = {}
+    for name, strategies in built.items():
+        groups.setdefault(tuple(s.name for s in strategies if not s.revertible), {})[name] = strategies
+    preds: dict[str, Any] = {}
+    baseline = None
     with _progress(progress, len(plans)) as advance:
-        for name, factory in plans.items():
-            try:
-                pred = simulate_plan(make_workload, factory, gpu, steps=steps, baseline=baseline)
-            except Exception as exc:  # one plan that cannot run must not hide the others
-                log.warning("plan %s could not be simulated: %s: %s", name, type(exc).__name__, exc)
-                advance(name)
-                continue
-            if name == "baseline":
-                baseline, base_pred = pred.report, pred
-            rows.append((name, pred))
-            advance(name)
-    if base_pred is None:
+        for fixed, group in groups.items():
+            base = [s for s in next(iter(group.values())) if s.name in fixed]
+            report, got = simulate_plans(make_workload, group, gpu, steps=steps, base=base, advance=advance)
+            baseline = report if not fixed else baseline
+            preds.update(got)
+    for name, pred in preds.items():
+        if isinstance(pred, Exception):
+            log.warning("plan %s could not be simulated: %s: %s", name, type(pred).__name__, pred)
+    if baseline is None or isinstance(preds["baseline"], Exception):
         raise RuntimeError("the baseline step could not be simulated; see the warnings above")
-    table = rank(rows, base_pred, baseline, nbytes, margin)
+    rows = [(name, preds[name]) for name in plans if not isinstance(preds[name], Exception)]
+    table = rank(rows, preds["baseline"], baseline, nbytes, margin)
     return Advice(nbytes, gpu, world_size, table, baseline, plans)
 
 
@@ -263,22 +441,61 @@ def _why(name: str, p, base, baseline: Report) -> str:
 
 
 class _progress:
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total = enabled, total
+    """A progress bar over ``total`` plans on ``console`` (a rich Console; True: the
+    default one; False or None: no bar). The object entered is called with
+    each plan's name when it is done, and its ``now(name)`` when one starts."""
+
+    def __init__(self, console, total: int) -> None:
+        self.console, self.total = console, total
+        self._bar = None
 
     def __enter__(self):
-        if not self.enabled:
-            return lambda name: None
-        from rich.progress import Progress
+        if not self.console:
+            return self
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._p = Progress(transient=True)
-        self._p.__enter__()
-        task = self._p.add_task("simulating plans", total=self.total)
-        return lambda name: self._p.update(task, advance=1, description=f"simulated {name}")
+        console = None if self.console is True else self.console
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                             TimeElapsedColumn(), console=console, transient=True)
+        self._bar.__enter__()
+        self._task = self._bar.add_task("plans", total=self.total)
+        return self
+
+    def __call__(self, name: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, description=f"plans (done: {name})")
+
+    def now(self, name: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=f"plans (now: {name})")
 
     def __exit__(self, *exc):
-        if self.enabled:
-            self._p.__exit__(*exc)
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+
+def plan_table(advice: "Advice", table: pd.DataFrame | None = None, where: str | None = None):
+    """The ranked plans as a rich table that fits 80 columns: plan names whole,
+    peak reserved (what must fit), the saving against the baseline, the step time."""
+    from rich import box
+    from rich.table import Table
+
+    table = advice.table if table is None else table
+    base = advice.table.loc["baseline"] if "baseline" in advice.table.index else None
+    where = where or advice.gpu.name
+    t = Table(title=f"plans for {fmt_bytes(advice.budget)} per rank on {where}, {advice.world_size} rank(s): "
+                    "fastest that fits first", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
+              show_edge=False)
+    t.add_column("plan", no_wrap=True)
+    for col in ("peak\nreserved", "saves\nvs now", "fits", "step\ntime", "vs\nnow"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for name, r in table.iterrows():
+        saved = "" if base is None or name == "baseline" else (
+            f"{fmt_bytes(base['peak_reserved'] - r['peak_reserved'])} "
+            f"{100 * (1 - r['peak_reserved'] / base['peak_reserved']):.0f}%")
+        t.add_row(str(name), fmt_bytes(r["peak_reserved"]), saved, "yes" if r["fits"] else "no",
+                  f"{1e3 * r['seconds']:.1f} ms", f"{100 * (r['slowdown'] - 1):+.0f}%", style=None if r["fits"] else "dim")
+    return t
 
 
 def max_batch_size(

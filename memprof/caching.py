@@ -335,6 +335,14 @@ class CachingAllocatorModel:
             "num_ooms": self.num_ooms,
         }
 
+    def layout(self) -> tuple:
+        """The allocator's state up to handle names: live blocks (address,
+        size) in the order they were allocated, segments and free blocks. Two
+        equal layouts answer the same sequence of mallocs and frees (the i-th
+        oldest live block freed where it was the i-th oldest) the same way."""
+        live = tuple((b.addr, b.size) for b in self._handles.values() if b is not None)
+        return live, tuple(sorted(self._segments.items())), tuple(self._free_small), tuple(self._free_large)
+
     def snapshot(self) -> list[dict]:
         """Segments sorted by address, in the shape of
         ``torch.cuda.memory_snapshot()['segments']`` (fewer keys): address,

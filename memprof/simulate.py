@@ -17,6 +17,7 @@ indexing) cannot run on meta tensors.
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 from contextlib import nullcontext
@@ -37,7 +38,7 @@ from .report import Report
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
 
-__all__ = ["SimulatedAllocator", "TimeModel", "simulate", "cublas_workspace_bytes"]
+__all__ = ["SimulatedAllocator", "TimeModel", "simulate", "cublas_workspace_bytes", "replay_step"]
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,9 @@ class TimeModel:
             rate = half
         elif tf32 and gpu.compute_capability >= (8, 0):
             # cuDNN convolutions may use TF32 by default (torch.backends.cudnn.allow_tf32),
-            # at half the 16-bit tensor-core rate; matmuls may not (allow_tf32 is off).
-            rate = half / 2
+            # at the TF32 tensor-core rate (half the 16-bit rate where the GPU gives none);
+            # matmuls may not (allow_tf32 is off).
+            rate = gpu.tf32_tflops or half / 2
         else:
             rate = gpu.fp32_tflops
         compute = flops / (rate * 1e12 * self.flop_efficiency) if flops else 0.0
@@ -113,6 +115,10 @@ class SimulatedAllocator(TorchDispatchMode):
         self.kernels = 0
         #: When a list, every kernel's (flops, bytes, precision: 2 half, 1 tf32, 0 fp32) is appended.
         self.trace: list[tuple[int, int, bool]] | None = None
+        #: When a list, allocation events are appended: ``("m", handle, bytes)``,
+        #: ``("f", handle)`` and ``("k", seconds, handles)`` for a kernel and the
+        #: handles of the outputs it allocated (see :func:`replay_step`).
+        self.events: list[tuple] | None = None
         self._handles: dict[weakref.ref, int] = {}
         self._workspace: int | None = None
 
@@ -134,6 +140,21 @@ class SimulatedAllocator(TorchDispatchMode):
     def empty_cache(self) -> None:
         self.model.empty_cache()
 
+    def rewind(self, saved: CachingAllocatorModel) -> bool:
+        """Put the allocator back in the state ``saved`` (a copy of :attr:`model`
+        taken earlier), when every block live now was live then, save
+        cuBLAS's workspace, which a new process has only after its first
+        matrix product. Returns whether it could."""
+        live = set(self.model._handles)
+        if self._workspace is not None and self._workspace not in saved._handles:
+            live.discard(self._workspace)
+        if live != set(saved._handles):
+            return False
+        if self._workspace not in saved._handles:
+            self._workspace = None
+        self.model = copy.deepcopy(saved)
+        return True
+
     # -- allocation events -----------------------------------------------------
     def adopt(self, tensors) -> None:
         """Count tensors that exist already (made before the simulation began)."""
@@ -141,37 +162,80 @@ class SimulatedAllocator(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.is_meta:
                 self._allocate(t.untyped_storage())
 
-    def _allocate(self, storage: torch.UntypedStorage) -> None:
+    def _malloc(self, nbytes: int) -> int:
+        handle = self.model.malloc(nbytes)
+        if self.events is not None:
+            self.events.append(("m", handle, nbytes))
+        return handle
+
+    def _allocate(self, storage: torch.UntypedStorage) -> int | None:
         key = weakref.ref(storage)
         if key in self._handles:
-            return
-        handle = self.model.malloc(storage.nbytes())
+            return None
+        handle = self._malloc(storage.nbytes())
         self._handles[weakref.ref(storage, self._free)] = handle
+        return handle
 
     def _free(self, key: weakref.ref) -> None:
         handle = self._handles.pop(key, None)
         if handle is not None:
             self.model.free(handle)
+            if self.events is not None:
+                self.events.append(("f", handle))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out, cost = KERNELS.run(func, args, kwargs, _cost)
         if self._workspace is None and func.__name__.split(".")[0] in _MATMUL_OPS:
             # Taken at the first matrix product and kept for the process's life.
-            self._workspace = self.model.malloc(cublas_workspace_bytes(self.gpu))
-        for t in tensors(out):
-            if t.is_meta:
-                self._allocate(t.untyped_storage())
+            self._workspace = self._malloc(cublas_workspace_bytes(self.gpu))
+        made = [self._allocate(t.untyped_storage()) for t in tensors(out) if t.is_meta]
         if cost is not None:
             flops, nbytes, dtype, conv = cost
             tf32 = conv and torch.backends.cudnn.allow_tf32
-            self.seconds += self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32)
+            seconds = self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32)
+            self.seconds += seconds
+            if self.events is not None:
+                self.events.append(("k", seconds, [h for h in made if h is not None]))
             self.flops += flops
             self.bytes_moved += nbytes
             self.kernels += 1
             if self.trace is not None:
                 self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0)))
         return out
+
+
+def replay_step(model: CachingAllocatorModel, events: list[tuple], seconds: float) -> tuple[int, int, float] | None:
+    """The step after a simulated one, from its allocation ``events`` alone.
+
+    A training step's second run does what its first did, less what the
+    first made for good: the optimizer's state, cuBLAS's workspace (the
+    blocks the first run allocated and never freed). So the first run's
+    events, without those, replayed on the allocator ``model`` as it stands
+    after the first run, give the second run's counters; and its time is the
+    first's, less the kernels that only made such blocks. Returns the peak
+    allocated and reserved bytes and the seconds of the second run, or None
+    where the events are not a step that repeats: one that frees a block
+    made before it, or that does not end where it began.
+    """
+    made = {e[1] for e in events if e[0] == "m"}
+    kept = made - {e[1] for e in events if e[0] == "f"}
+    start = model.allocated
+    model.reset_peak()
+    handles: dict[int, int] = {}
+    for e in events:
+        if e[0] == "m":
+            if e[1] not in kept:
+                handles[e[1]] = model.malloc(e[2])
+        elif e[0] == "f":
+            if e[1] not in handles:
+                return None  # a block from before the step: the second run frees another one
+            model.free(handles.pop(e[1]))
+        elif e[2] and all(h in kept for h in e[2]):
+            seconds -= e[1]
+    if model.allocated != start:
+        return None
+    return model.peak_allocated, model.peak_reserved, seconds
 
 
 def _cost(func, args: tuple, kwargs: dict, out: Any):

@@ -60,12 +60,23 @@ class Workload:
     saved_tensors_hooks: Callable[[], ContextManager] | None = None
     #: Strategies applied so far, by name, in order.
     applied: list[str] = field(default_factory=list)
+    #: Set by a simulation: called before micro-batch ``i`` of ``n`` (from 0),
+    #: returns how many micro-batches from ``i`` on need not run because they
+    #: would repeat earlier ones exactly.
+    repeats: Callable[[int, int], int] | None = field(default=None, repr=False)
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def step(self) -> torch.Tensor:
         """One optimizer step over the whole batch; returns the (last micro-batch's) loss."""
         parts = split_batch(self.batch, self.micro_batches)
         device_type = _device_type(self.model)
-        for part in parts:
+        i = 0
+        while i < len(parts):
+            if self.repeats is not None:
+                i += self.repeats(i, len(parts))
+                if i == len(parts):
+                    break
+            part = parts[i]
             amp = (
                 torch.autocast(device_type, dtype=self.autocast_dtype)
                 if self.autocast_dtype is not None
@@ -75,6 +86,7 @@ class Workload:
             with amp, hooks:
                 loss = self.loss_fn(self.model, part) / len(parts)
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            i += 1
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -82,6 +94,37 @@ class Workload:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss.detach()
+
+    # -- trying strategies ---------------------------------------------------------
+    def patch(self, obj: Any, name: str, value: Any) -> None:
+        """``setattr(obj, name, value)``, undone by :meth:`plan`'s exit (a strategy's change to the model)."""
+        if name in getattr(obj, "__dict__", {}):
+            old = obj.__dict__[name]
+            self._undo.append(lambda: setattr(obj, name, old))
+        else:  # e.g. a method: deleting the instance attribute brings the class's back
+            self._undo.append(lambda: delattr(obj, name))
+        setattr(obj, name, value)
+
+    @contextlib.contextmanager
+    def plan(self, strategies, simulated: bool = False):
+        """Apply ``strategies`` (``apply_simulated`` on a simulated GPU) for the
+        ``with`` block, then undo them: the workload's settings come back and
+        every :meth:`patch` is reverted, last first."""
+        settings = {f: getattr(self, f) for f in _SETTINGS}
+        applied, undo = list(self.applied), len(self._undo)
+        try:
+            for s in strategies:
+                (s.apply_simulated if simulated else s.apply)(self)
+            yield self
+        finally:
+            while len(self._undo) > undo:
+                self._undo.pop()()
+            for f, v in settings.items():
+                setattr(self, f, v)
+            self.applied[:] = applied
+
+
+_SETTINGS = ("autocast_dtype", "scaler", "micro_batches", "saved_tensors_hooks")
 
 
 def _device_type(model: nn.Module) -> str:

@@ -25,3 +25,16 @@ class Accumulation(Strategy):
     def apply(self, workload: Workload) -> None:
         workload.micro_batches *= self.k
         workload.applied.append(self.name)
+
+    def code_change(self, facts=None) -> str:
+        k, now = self.k, getattr(facts, "micro_batches", 1)
+        if now > 1:  # the script accumulates already: more micro-batches, each smaller
+            return (
+                f"raise gradient accumulation from {now} to {now * k} micro-batches per optimizer step, each 1/{k} "
+                f"of the batch it has now (e.g. its batch-size option divided by {k}, its accumulation option times {k})"
+            )
+        return (
+            f"split each batch into {k} micro-batches, divide each micro-batch's loss by {k}, call backward() on each "
+            f"and optimizer.step() once per {k} (Lightning: Trainer(accumulate_grad_batches={k}); "
+            f"Hugging Face: TrainingArguments(gradient_accumulation_steps={k}))"
+        )

@@ -40,6 +40,11 @@ class Strategy:
 
     #: Short name used in plan names, e.g. "bf16", "ckpt", "accum4".
     name: str = "strategy"
+    #: Whether one rank's simulated step changes (False: only :meth:`adjust` accounts for it).
+    simulated: bool = True
+    #: Whether :meth:`memprof.workload.Workload.plan` can undo it (False: the
+    #: workload is built again for it, e.g. weights converted in place).
+    revertible: bool = True
 
     def apply(self, workload: Workload) -> None:
         """Change ``workload`` (and its model) in place, with PyTorch's own engines."""
@@ -52,6 +57,11 @@ class Strategy:
     def adjust(self, prediction: Prediction, baseline: Report, gpu) -> Prediction:
         """Account for what the single-process simulation does not run (sharding, host offload)."""
         return prediction
+
+    def code_change(self, facts=None) -> str:
+        """What to write in a training script (or set in Lightning / Hugging Face) to do this;
+        ``facts`` (a ``memprof.script_advice.ScriptFacts``): what the script does already."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         return self.name

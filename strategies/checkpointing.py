@@ -48,15 +48,15 @@ _KEEP = [
 ]
 
 
-def _disable_kv_cache(model: nn.Module) -> None:
+def _disable_kv_cache(workload: Workload) -> None:
     """Turn off a Hugging Face model's key/value cache, as its own
     ``gradient_checkpointing_enable()`` does: the cache would keep every
     checkpointed block's keys and values alive until backward (and grow them
     again in the recomputation), the memory checkpointing is meant to free."""
-    for module in model.modules():
+    for module in workload.model.modules():
         config = getattr(module, "config", None)
         if getattr(config, "use_cache", False) is True:
-            config.use_cache = False
+            workload.patch(config, "use_cache", False)
 
 
 class Checkpointing(Strategy):
@@ -93,7 +93,16 @@ class Checkpointing(Strategy):
         if self.selective:
             kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _KEEP)
         for _, block in found:
-            block.forward = functools.partial(checkpoint, block.forward, **kwargs)
-        _disable_kv_cache(model)
+            workload.patch(block, "forward", functools.partial(checkpoint, block.forward, **kwargs))
+        _disable_kv_cache(workload)
         self.wrapped = [n for n, _ in found]
         workload.applied.append(self.name)
+
+    def code_change(self, facts=None) -> str:
+        names = self.wrapped or self.blocks or ["the repeated blocks"]
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        keep = ", context_fn=<selective: keep matmul and attention outputs>" if self.selective else ""
+        return (
+            "checkpoint each repeated block: `block.forward = functools.partial(torch.utils.checkpoint.checkpoint, "
+            f"block.forward, use_reentrant=False{keep})` for {shown} (Hugging Face: model.gradient_checkpointing_enable())"
+        )

@@ -34,6 +34,18 @@ class Autocast(Strategy):
             workload.scaler = torch.amp.GradScaler("cuda")
         workload.applied.append(self.name)
 
+    def code_change(self, facts=None) -> str:
+        if self.dtype == "fp16":
+            return (
+                "wrap the forward pass and the loss in `with torch.autocast('cuda', dtype=torch.float16):` and step "
+                "through `scaler = torch.amp.GradScaler('cuda')`: scaler.scale(loss).backward(), scaler.step(optimizer), "
+                "scaler.update() (Lightning: Trainer(precision='16-mixed'); Hugging Face: TrainingArguments(fp16=True))"
+            )
+        return (
+            "wrap the forward pass and the loss in `with torch.autocast('cuda', dtype=torch.bfloat16):` "
+            "(Lightning: Trainer(precision='bf16-mixed'); Hugging Face: TrainingArguments(bf16=True))"
+        )
+
 
 class PureBF16(Strategy):
     """Weights, gradients, optimizer state and activations all in bf16 (no fp32 master copy).
@@ -44,6 +56,7 @@ class PureBF16(Strategy):
     """
 
     name = "pure_bf16"
+    revertible = False  # the weights are converted in place, and the optimizer's state follows them
 
     def apply(self, workload: Workload) -> None:
         workload.model.to(torch.bfloat16)  # Parameters keep their identity: the optimizer still holds them
@@ -52,3 +65,9 @@ class PureBF16(Strategy):
             workload.batch,
         )
         workload.applied.append(self.name)
+
+    def code_change(self, facts=None) -> str:
+        return (
+            "convert the model before building the optimizer: `model.to(torch.bfloat16)`, and feed it bf16 inputs "
+            "(Lightning: Trainer(precision='bf16-true'))"
+        )

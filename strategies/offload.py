@@ -28,6 +28,9 @@ class ActivationOffload(Strategy):
         workload.saved_tensors_hooks = lambda: save_on_cpu(pin_memory=True)
         workload.applied.append(self.name)
 
+    def code_change(self, facts=None) -> str:
+        return "run the forward pass under `with torch.autograd.graph.save_on_cpu(pin_memory=True):`"
+
     def apply_simulated(self, workload: Workload) -> None:
         from memprof.virtual_cuda import current
 

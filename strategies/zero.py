@@ -83,6 +83,8 @@ class ZeRO(Strategy):
     """ZeRO stage ``stage`` over ``world_size`` ranks; ``offload``: shards and
     optimizer step on the host (stages 2 and 3)."""
 
+    simulated = False  # one rank's step runs unsharded; adjust() shards it
+
     def __init__(self, stage: int, world_size: int, offload: bool = False) -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
@@ -124,7 +126,16 @@ class ZeRO(Strategy):
 
     # -- simulated -----------------------------------------------------------
     def apply_simulated(self, workload: Workload) -> None:
-        workload.applied.append(self.name)  # one rank's step runs unsharded; adjust() shards it
+        workload.applied.append(self.name)
+
+    def code_change(self, facts=None) -> str:
+        if self.stage == 1:
+            how = "torch.distributed.optim.ZeroRedundancyOptimizer around the optimizer, under DistributedDataParallel"
+        else:
+            how = (f"torch.distributed.fsdp.fully_shard(block, reshard_after_forward={self.stage == 3}"
+                   + (", offload_policy=CPUOffloadPolicy()" if self.offload else "") + ") on each block, then on the model")
+        return (f"shard over {self.world_size} ranks (torchrun --nproc-per-node {self.world_size}) with {how} "
+                "(Lightning: strategy='fsdp'; Hugging Face: fsdp='full_shard')")
 
     def adjust(self, prediction: Prediction, baseline: Report, gpu) -> Prediction:
         n = self.world_size
@@ -200,3 +211,9 @@ class StateOffload(ZeRO):
     def __init__(self) -> None:
         super().__init__(3, 1, offload=True)
         self.name = "offload_states"
+
+    def code_change(self, facts=None) -> str:
+        return (
+            "keep parameters, gradients and optimizer state on the host: torch.distributed.fsdp.fully_shard(block, "
+            "offload_policy=CPUOffloadPolicy()) on each block, then on the model, in a one-rank process group"
+        )

@@ -244,3 +244,107 @@ def test_parse_budget_any_case_and_baseline_added():
     assert parse_budget("24GIB")[0] == 24 * 2**30
     a = advise(ff_workload, "1GiB", plans={"bf16": lambda: [Autocast("bf16")]}, target="h100", progress=False)
     assert set(a.table.index) == {"baseline", "bf16"}
+
+
+# -- many plans on one build ----------------------------------------------------------
+class Block(nn.Module):
+    """A pre-norm transformer-style block: repeated, so checkpointing finds it."""
+
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int = 256, n: int = 4) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(32, d), nn.Linear(d, 8)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def block_workload(batch: int = 64):
+    torch.manual_seed(0)
+    model = Stack().cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(batch, 128, 32, device="cuda")
+    return Workload(model, opt, x, lambda m, x: m(x).float().square().mean())
+
+
+def test_plans_on_one_build_equal_their_own_simulations():
+    """Every plan simulated on one build (strategies undone between plans, the
+    allocator rewound, the second step replayed from the first's events and
+    repeated micro-batches skipped) gives the bytes and time of its own fresh
+    simulation, exactly."""
+    from memprof.advisor import simulate_plans
+
+    gpu = get_gpu("h200")
+    plans = {name: factory() for name, factory in default_plans(2, gpu=gpu).items()}
+    assert len(plans) > 30
+    base, derived = simulate_plans(block_workload, plans, gpu)
+    for name, factory in default_plans(2, gpu=gpu).items():
+        full = simulate_plan(block_workload, factory, gpu)
+        got = derived[name]
+        assert (got.peak_allocated, got.peak_reserved) == (full.peak_allocated, full.peak_reserved), name
+        assert got.seconds == pytest.approx(full.seconds, rel=1e-9), name
+    assert base.meta["plan"] == "baseline" and base.steps["step"].tolist() == [0, 1]
+
+
+def test_repeated_micro_batches_run_once_and_change_nothing():
+    """With 8 micro-batches, the simulation stops running them once the
+    allocator's layout repeats; peaks and time equal running all 8."""
+    from memprof.advisor import _Repeats
+    from memprof.simulate import SimulatedAllocator, _state_tensors
+    from memprof.strategies import Accumulation
+    from memprof.virtual_cuda import VirtualCUDA
+
+    gpu = get_gpu("h200")
+    results = []
+    for skip in (False, True):
+        calls = []
+        allocator = SimulatedAllocator(gpu)
+        with VirtualCUDA(gpu, allocator=allocator):
+            with torch.device("meta"):
+                w = block_workload()
+            allocator.adopt(_state_tensors(w.model, w.optimizer))
+            loss_fn = w.loss_fn
+            w.loss_fn = lambda m, x: calls.append(1) or loss_fn(m, x)
+            Accumulation(8).apply(w)
+            w.repeats = _Repeats(allocator) if skip else None
+            for _ in range(2):
+                allocator.reset_peak()
+                start = allocator.seconds
+                w.step()
+            m = allocator.model
+            results.append((m.peak_allocated, m.peak_reserved, round(allocator.seconds - start, 12), len(calls)))
+    (full_a, full_r, full_s, full_n), (a, r, s, n) = results
+    assert (a, r, s) == (full_a, full_r, full_s)
+    assert full_n == 16 and n < 12  # two steps of 8 micro-batches, and far fewer run
+
+
+def test_a_plan_is_undone_after_its_step():
+    model = Stack(8, 2)
+    w = Workload(model, torch.optim.SGD(model.parameters()), torch.randn(4, 32), lambda m, x: m(x).sum())
+    blocks = list(model.blocks)
+    with w.plan([Autocast("fp16"), Checkpointing()]):
+        assert w.autocast_dtype is torch.float16 and w.scaler is not None and w.applied == ["fp16", "ckpt"]
+        assert all("forward" in vars(b) for b in blocks)
+    assert w.autocast_dtype is None and w.scaler is None and w.applied == []
+    assert all("forward" not in vars(b) for b in blocks)  # the class's forward again
+
+
+def test_fp16_plans_on_gpus_without_bf16():
+    for gpu, half in ((get_gpu("t4"), "fp16"), (get_gpu("v100-16gb"), "fp16"), (H100, "bf16")):
+        names = set(default_plans(gpu=gpu))
+        assert f"{half}+ckpt+accum4" in names and not any(n.startswith("fp16" if half == "bf16" else "bf16") for n in names)
+        plan = default_plans(gpu=gpu)[f"{half}+ckpt"]()
+        assert plan[0].dtype == half
