@@ -13,10 +13,13 @@ Bad input ends with one line ``memprof: error: ...`` on stderr and exit status 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
+import os
 import re
 import sys
+import tempfile
 from decimal import Decimal, InvalidOperation
 from typing import Sequence
 
@@ -31,9 +34,11 @@ from .devices import get_gpu, list_gpus
 from .estimate import OFFLOADS, OPTIMIZERS, PRECISIONS, estimate_model_states
 from .report import Report
 from .runner import ScriptError, observe_script
-from .units import GiB
+from .units import GiB, fmt_bytes
 
 __all__ = ["main", "parse_count"]
+
+log = logging.getLogger(__name__)
 
 _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 _CPU_NOTE = (
@@ -120,26 +125,48 @@ def _cmd_track(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
+    from .advisor import parse_budget
     from .script_advice import advise_script, verify_script
 
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     simulate = args.target is not None or not torch.cuda.is_available()
-    if not torch.cuda.is_available():
-        _line(console, "memprof: no GPU here: every plan is simulated on the budget's GPU (default RTX4090-24GB)")
-    advice = advise_script(
-        args.script, args.script_args, budget=args.budget, target=args.target, world_size=args.world_size,
-        steps=args.steps, timeout=args.timeout, progress=console.is_terminal,
-    )
+    if simulate:
+        named = parse_budget(args.budget)[1]
+        gpu = get_gpu(args.target) if args.target is not None else (named or get_gpu("RTX4090-24GB"))
+        why = "" if args.target is not None else "no GPU here: "
+        _line(console, f"memprof: {why}every plan is simulated on the {gpu.name} (shapes only, no kernel runs)")
+    with _script_output(args.verbose, console) as (terminal, log_path):
+        try:
+            advice = advise_script(
+                args.script, args.script_args, budget=args.budget, target=args.target, world_size=args.world_size,
+                steps=args.steps, timeout=args.timeout, progress=terminal,
+            )
+        except BaseException:
+            _tail(console, log_path)
+            raise
+    if log_path:
+        _line(console, f"memprof: the script's own output is in {log_path} (--verbose shows it)")
     _show(console, advice.baseline)
+    if advice.facts is not None:
+        _line(console, f"what {args.script} does already:")
+        for fact in advice.facts.lines():
+            _line(console, f"  {fact}")
+    for name, why in advice.skipped.items():
+        log.debug("plan %s left out: %s", name, why)
+    if advice.skipped:
+        reasons = sorted(set(advice.skipped.values()))
+        _line(console, f"memprof: {len(advice.skipped)} plan(s) left out: {'; '.join(reasons)}")
+    for name, why in advice.failed.items():
+        _line(console, f"memprof: plan {name} could not run: {why}")
     shown = advice.table.head(args.top) if args.top else advice.table
-    console.print(type(advice)(**{**advice.__dict__, "table": shown}))
+    console.print(advice.rich_table(shown))
     best = advice.best
     if best is None:
         _line(console, f"memprof: no plan fits {_gib(advice.budget)} per rank; more ranks (--world-size) or a larger GPU would")
     else:
         row = advice.table.loc[best]
-        _line(console, f"memprof: recommended: {best}: peak {_gib(row['peak_reserved'])} reserved, "
+        _line(console, f"memprof: recommended: {best}: peak {fmt_bytes(row['peak_reserved'])} reserved, "
               f"step time {100 * (row['slowdown'] - 1):+.0f} % vs now" + (" (simulated)" if simulate else ""))
         for change in advice.code_change():
             _line(console, f"  - {change}")
@@ -160,6 +187,55 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
         _line(console, f"advice saved to {path}")
     _save(console, advice.baseline, args.html, html=True)
     return 0
+
+
+@contextlib.contextmanager
+def _script_output(verbose: bool, console: Console):
+    """The script's output (file descriptors 1 and 2, so its workers' too) in a log file, unless ``verbose``.
+
+    Yields the console for the progress bar (None when there is no terminal)
+    and the log's path (None when the output is shown)."""
+    terminal = console if console.is_terminal else None
+    try:
+        fds = sys.stdout.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # not real files (e.g. captured in-process)
+        fds = None
+    if verbose or fds is None:
+        yield terminal, None
+        return
+    fd, path = tempfile.mkstemp(prefix="memprof-advise-", suffix=".log")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(f) for f in fds]
+    shown = os.fdopen(os.dup(saved[0]), "w", buffering=1)
+    progress = Console(file=shown, force_terminal=True) if terminal is not None else None
+    try:
+        for f in fds:
+            os.dup2(fd, f)
+        yield progress, path
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for f, old in zip(fds, saved):
+            os.dup2(old, f)
+            os.close(old)
+        os.close(fd)
+        shown.close()
+
+
+def _tail(console: Console, path: str | None, lines: int = 20) -> None:
+    """The end of the script's log, after a failure."""
+    if not path:
+        return
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read().splitlines()[-lines:]
+    except OSError:
+        return
+    if text:
+        _line(console, f"memprof: the last lines of the script's output ({path}):")
+        for t in text:
+            _line(console, f"  | {t}")
 
 
 def _plain(o):
@@ -295,7 +371,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Observe SCRIPT (run as `python SCRIPT SCRIPT_ARGS`), then simulate each plan (mixed precision, "
         "checkpointing, accumulation, offload, ZeRO) on it and rank those that fit BUDGET by predicted step time.",
         usage="memprof advise SCRIPT [--budget B] [--world-size N] [--steps N] [--target GPU] [--verify] [--json PATH] "
-        "[--html PATH] [--top K] [-- SCRIPT_ARGS...]",
+        "[--html PATH] [--top K] [--verbose] [-- SCRIPT_ARGS...]",
     )
     p.add_argument("script", metavar="SCRIPT")
     p.add_argument("--budget", default="RTX4090-24GB",
@@ -308,6 +384,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="PATH", default=None, help="save the baseline's report as an HTML page")
     p.add_argument("--top", type=_positive_int, default=None, metavar="K", help="show only the K best plans")
     p.add_argument("--timeout", type=_positive_float, default=None, help="give up on a run after this many seconds")
+    p.add_argument("--verbose", action="store_true", help="show the script's own output (default: kept in a log file)")
     p.set_defaults(func=_cmd_advise)
 
     p = sub.add_parser("report", help="render a report saved with --json")

@@ -74,10 +74,11 @@ class _Stop(BaseException):
 class _Observer:
     """The hooks that find the model and optimizer, start tracking and stop the script."""
 
-    def __init__(self, steps: int, warmup: int, timeout: float | None, on_model=None, simulated: bool = False) -> None:
+    def __init__(self, steps: int, warmup: int, timeout: float | None, on_model=None, simulated: bool = False,
+                 on_step=None) -> None:
         self.steps, self.warmup = steps, warmup
         self.simulated = simulated
-        self.on_model = on_model
+        self.on_model, self.on_step = on_model, on_step
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.optimizer_steps = 0  # optimizer steps seen before tracking began
         self.tracker: Tracker | None = None
@@ -152,8 +153,17 @@ class _Observer:
 
     def _on_tracked_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         # Registered after the tracker's own step hook, so the step is recorded first.
-        if self.tracker is not None and self.tracker.step >= self.steps:
-            raise _Stop()
+        if self.tracker is not None:
+            if self.tracker.step >= self.steps:
+                raise _Stop()
+            if self.on_step is not None:
+                try:
+                    go_on = self.on_step(self.tracker)
+                except Exception as exc:
+                    raise _Stop(f"memprof failed between steps {self.tracker.step} and {self.tracker.step + 1}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+                if not go_on:
+                    raise _Stop()
         self._check()
 
     # -- tracking --------------------------------------------------------------
@@ -163,7 +173,7 @@ class _Observer:
         try:
             if self.on_model is not None:  # e.g. the advisor applying a plan to the script's model
                 self.on_model(model, opt)
-            tracker = track(model, opt, warmup=self.steps, every=1)
+            tracker = track(model, opt, warmup=self.steps, every=1, timeline_steps=self.steps)
             tracker.__enter__()
         except Exception as exc:  # e.g. the script already runs memprof.track itself
             self.error = f"memprof could not start tracking {type(model).__name__}: {exc}"
@@ -245,12 +255,16 @@ def observe_script(
     warmup: int = 1,
     timeout: float | None = None,
     on_model: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None,
+    on_step: Callable[[Tracker], bool] | None = None,
     target: str | None = None,
 ) -> Report:
     """Run a training script as ``python path *args`` would, and measure ``steps`` training steps.
 
     ``on_model(model, optimizer)``, if given, is called once they are found,
-    before the tracked steps (the advisor applies a plan there). With
+    before the tracked steps (the advisor applies a plan there);
+    ``on_step(tracker)``, if given, after each tracked step, ends the
+    observation early by returning False (the advisor changes plans there;
+    the timeline keeps every tracked step). With
     ``target`` (a GPU of the catalogue) the script runs on that simulated GPU
     (``memprof.virtual_cuda``) and the report is a prediction.
 
@@ -282,7 +296,7 @@ def observe_script(
         gpu = get_gpu(target)
         device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu))
 
-    observer = _Observer(steps, warmup, timeout, on_model, simulated=gpu is not None)
+    observer = _Observer(steps, warmup, timeout, on_model, simulated=gpu is not None, on_step=on_step)
     saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
     outcome: BaseException | None = None
     try:

@@ -2,23 +2,35 @@
 
 A script's step is its own code, so plans cannot be composed from its parts
 as :func:`memprof.advise` does with a :class:`~memprof.workload.Workload`.
-Instead the script is run once per plan, on the simulated target GPU, and the
-plan is applied to its model when the runner finds it:
+Instead the script runs once, on the simulated target GPU (or the local one),
+and between its optimizer steps the plans take turns on the model the runner
+found: each plan's strategies (the same :mod:`memprof.strategies` objects the
+workload door uses) are applied to a :class:`Workload` around that model, and
+what they set there is bound to the model's forward:
 
-* ``bf16``: the model's forward runs under ``torch.autocast("cuda", bfloat16)``
-  (a loss computed outside the model stays as the script computes it);
-* ``ckpt``: the repeated blocks' forwards go through ``torch.utils.checkpoint``;
-* ``accumK``: each forward sees 1/K of every batch-sized input, which is the
-  memory of one of K micro-batches; the step time is charged K times;
-* ``offload_act``: what forward saves goes to host memory (simulated transfer);
-* ``zeroS`` over N ranks: simulated on one rank, sharded analytically.
+* mixed precision: the model's forward runs under ``torch.autocast`` (a loss
+  computed outside the model stays as the script computes it);
+* checkpointing: the repeated blocks' forwards go through ``torch.utils.checkpoint``;
+* accumulation over K micro-batches: each forward sees 1/K of every
+  batch-sized input, the memory of one of K micro-batches; the step time is
+  charged K times;
+* activation offload: what forward saves goes to host memory;
+* ZeRO and state offload: one rank's step, sharded analytically.
+
+A plan runs two steps, the first after the allocator's free cache is
+emptied; on the simulated GPU the second is derived from the first's
+allocation events (:func:`memprof.simulate.replay_step`) when it repeats it.
+A plan that breaks the script is left out and the script starts again for
+the plans after it, as it does when it ends before every plan ran.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 import pandas as pd
@@ -26,77 +38,37 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .advisor import best_of, parse_budget, rank
+from .advisor import Advice, PlanFactory, _adjusted, _progress, _step_view, default_plans, parse_budget, plan_table, rank
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import ScriptError, observe_script
 from .units import fmt_bytes
 from .workload import Workload
 
-__all__ = ["ScriptAdvice", "advise_script", "script_plans", "CODE_CHANGES"]
+__all__ = ["ScriptAdvice", "advise_script", "verify_script"]
 
 log = logging.getLogger(__name__)
 
-#: What to write in the script (or set in Lightning / Hugging Face) for each part of a plan.
-CODE_CHANGES = {
-    "bf16": (
-        "wrap the forward pass and the loss in `with torch.autocast('cuda', dtype=torch.bfloat16):` "
-        "(Lightning: Trainer(precision='bf16-mixed'); Hugging Face: TrainingArguments(bf16=True))"
-    ),
-    "ckpt": (
-        "checkpoint each repeated block: `block.forward = functools.partial(torch.utils.checkpoint.checkpoint, "
-        "block.forward, use_reentrant=False)` for {blocks} (Hugging Face: model.gradient_checkpointing_enable())"
-    ),
-    "accum": (
-        "split each batch into {k} micro-batches, divide each micro-batch's loss by {k}, call backward() on each "
-        "and optimizer.step() once per {k} (Lightning: Trainer(accumulate_grad_batches={k}); "
-        "Hugging Face: TrainingArguments(gradient_accumulation_steps={k}))"
-    ),
-    "offload_act": "run the forward pass under `with torch.autograd.graph.save_on_cpu(pin_memory=True):`",
-    "zero": (
-        "shard over {n} ranks: stage 1 with torch.distributed.optim.ZeroRedundancyOptimizer and DDP, stages 2/3 "
-        "with torch.distributed.fsdp.fully_shard(block, reshard_after_forward=<stage == 3>) on each block and the "
-        "model (Lightning: strategy='fsdp'; Hugging Face: fsdp='full_shard')"
-    ),
-}
 
+def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.Optimizer, simulated: bool,
+                    stack: ExitStack) -> Workload:
+    """Apply ``strategies`` to a script's ``model`` until ``stack`` closes.
 
-def script_plans(world_size: int = 1) -> dict[str, list[str]]:
-    """Plan name -> its parts, in the order they are applied."""
-    plans: dict[str, list[str]] = {"baseline": []}
-    for prec in ([], ["bf16"]):
-        for ckpt in ([], ["ckpt"]):
-            for accum in ([], ["accum2"], ["accum4"], ["accum8"]):
-                parts = [*prec, *ckpt, *accum]
-                if parts:
-                    plans["+".join(parts)] = parts
-        plans["+".join([*prec, "offload_act"])] = [*prec, "offload_act"]
-    if world_size > 1:
-        for stage in (1, 2, 3):
-            for extra in ([], ["bf16"], ["bf16", "ckpt"]):
-                parts = [*extra, f"zero{stage}"]
-                plans["+".join(parts)] = parts
-    return plans
-
-
-def _apply(parts: Sequence[str], model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    from memprof.strategies import ActivationOffload, Checkpointing
-
-    for part in parts:
-        if part == "bf16":
-            model.forward = torch.autocast("cuda", dtype=torch.bfloat16)(model.forward)
-        elif part == "ckpt":
-            Checkpointing().apply(Workload(model, opt, None, None))
-        elif part.startswith("accum"):
-            k = int(part[5:])
-            model.register_forward_pre_hook(functools.partial(_micro_batch, k), with_kwargs=True)
-        elif part == "offload_act":
-            from .virtual_cuda import current
-
-            w = Workload(model, opt, None, None)
-            strategy = ActivationOffload()
-            (strategy.apply_simulated if current() is not None else strategy.apply)(w)
-            model.forward = _under(w.saved_tensors_hooks, model.forward)
+    They change a :class:`Workload` around the model as they would any
+    workload; what they set there is then bound to the model's forward.
+    """
+    w = Workload(model, optimizer, batch=None, loss_fn=None)
+    stack.enter_context(w.plan(strategies, simulated=simulated))
+    forward = model.forward
+    if w.micro_batches > 1:
+        forward = _micro_batch(w.micro_batches, forward)
+    if w.saved_tensors_hooks is not None:
+        forward = _under(w.saved_tensors_hooks, forward)
+    if w.autocast_dtype is not None:
+        forward = torch.autocast("cuda", dtype=w.autocast_dtype)(forward)
+    if forward is not model.forward:
+        w.patch(model, "forward", forward)
+    return w
 
 
 def _under(make_context, fn):
@@ -108,48 +80,149 @@ def _under(make_context, fn):
     return wrapped
 
 
-def _micro_batch(k: int, module: nn.Module, args: tuple, kwargs: dict):
+def _micro_batch(k: int, fn):
+    """``fn`` on 1/k of every batch-sized tensor argument (first dimension divisible by k)."""
+
     def cut(t: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] >= k and t.shape[0] % k == 0:
             return t[: t.shape[0] // k]
         return t
 
-    return tree_map(cut, args), tree_map(cut, kwargs)
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        return fn(*tree_map(cut, args), **tree_map(cut, kwargs))
+
+    return wrapped
+
+
+_SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+def _dtype(d: torch.dtype) -> str:
+    return _SHORT.get(d, str(d).removeprefix("torch."))
 
 
 @dataclass
-class ScriptAdvice:
+class ScriptFacts:
+    """What the script already does, as observed in its steps before any plan."""
+
+    #: Autocast's dtype around the model's forward ("bf16", "fp16"), or None.
+    autocast: str | None = None
+    #: Forward passes of the model per optimizer step (gradient accumulation).
+    micro_batches: int = 1
+    #: Modules whose forward runs again in backward (activation checkpointing).
+    checkpointed: list[str] = field(default_factory=list)
+    #: The optimizer's class and implementation ("fused", "foreach", "for-loop", or "default").
+    optimizer: str = ""
+    implementation: str = ""
+    #: Parameter dtype -> number of parameters; frozen: parameters that do not require grad.
+    parameters: dict[str, int] = field(default_factory=dict)
+    frozen: int = 0
+    #: The model's first forward's tensor arguments: name or position -> (shape, dtype).
+    batch: dict[str, tuple[list[int], str]] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        """One short line per fact, for the header of the advice."""
+        params = ", ".join(f"{n / 1e6:.2f} M {d}" for d, n in self.parameters.items()) or "none"
+        out = [
+            f"mixed precision: {self.autocast + ' autocast' if self.autocast else 'none (fp32 compute)'}",
+            f"micro-batches per optimizer step: {self.micro_batches}",
+            f"checkpointed: {', '.join(_short_list(self.checkpointed)) if self.checkpointed else 'nothing'}",
+            f"optimizer: {self.optimizer} ({self.implementation})",
+            f"parameters: {params}" + (f", {self.frozen / 1e6:.2f} M frozen" if self.frozen else ""),
+        ]
+        if self.batch:
+            out.append("batch: " + ", ".join(f"{k} {tuple(shape)} {d}" for k, (shape, d) in self.batch.items()))
+        return out
+
+
+def _short_list(names: list[str], n: int = 3) -> list[str]:
+    return names[:n] + ([f"... ({len(names)} in all)"] if len(names) > n else [])
+
+
+class _Watch:
+    """Hooks that fill :class:`ScriptFacts` while the script's own steps run."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self.model, self.facts, self.forwards, self.steps = model, ScriptFacts(), 0, 0
+        self.names = {m: n for n, m in model.named_modules()}
+        self.recomputed: dict[str, None] = {}
+        kind = type(opt).__name__
+        d = opt.defaults
+        impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else (
+            "for-loop" if d.get("foreach") is False else "default: foreach on CUDA")
+        self.facts.optimizer, self.facts.implementation = kind, impl
+        counts: dict[str, int] = {}
+        for p in model.parameters():
+            counts[_dtype(p.dtype)] = counts.get(_dtype(p.dtype), 0) + p.numel()
+            self.facts.frozen += 0 if p.requires_grad else p.numel()
+        self.facts.parameters = counts
+        self._handles = [model.register_forward_pre_hook(self._on_model, with_kwargs=True),
+                         register_module_forward_pre_hook(self._on_module)]
+
+    def _on_model(self, module, args, kwargs) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # re-run in backward (the whole model checkpointed)
+        self.forwards += 1
+        if self.forwards == 1:
+            if torch.is_autocast_enabled("cuda"):
+                self.facts.autocast = _dtype(torch.get_autocast_dtype("cuda"))
+            try:  # the forward's own parameter names, where it has them
+                tensors = dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
+            except (TypeError, ValueError):
+                tensors = {f"argument {i}": a for i, a in enumerate(args)} | dict(kwargs)
+            self.facts.batch = {k: (list(t.shape), _dtype(t.dtype)) for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+
+    def _on_module(self, module, args) -> None:
+        # A module run while autograd computes gradients is recomputed: activation checkpointing.
+        if torch._C._current_graph_task_id() != -1 and module in self.names:
+            name = self.names[module]
+            if not any(name.startswith(r + ".") for r in self.recomputed):
+                self.recomputed[name] = None
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def close(self) -> ScriptFacts:
+        for h in self._handles:
+            h.remove()
+        self.facts.micro_batches = max(self.forwards // max(self.steps, 1), 1)
+        self.facts.checkpointed = list(self.recomputed)
+        return self.facts
+
+
+def _micro_batches(strategies: list) -> int:
+    from memprof.strategies import Accumulation
+
+    k = 1
+    for s in strategies:
+        if isinstance(s, Accumulation):
+            k *= s.k
+    return k
+
+
+@dataclass
+class ScriptAdvice(Advice):
     """What ``memprof advise`` found: the baseline report and the ranked plans."""
 
-    script: str
-    budget: int
-    gpu: GPU
-    world_size: int
-    simulated: bool
-    baseline: Report
-    table: pd.DataFrame
-    plans: dict[str, list[str]] = field(default_factory=dict)
+    script: str = ""
+    simulated: bool = True
+    #: The strategies of each plan as applied to the script's model (for their code changes).
+    applied: dict[str, list] = field(default_factory=dict, repr=False)
+    facts: ScriptFacts | None = None
+    #: Plans that could not run, or were left out as the script does that already: plan -> why.
+    failed: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
     verified: pd.DataFrame | None = None
-
-    @property
-    def best(self) -> str | None:
-        return best_of(self.table)
 
     def code_change(self, plan: str | None = None) -> list[str]:
         """The changes to make in the script for ``plan`` (default: the best)."""
         plan = plan or self.best
         if plan is None or plan == "baseline":
             return []
-        blocks = self.baseline.meta.get("blocks") or ["the repeated blocks"]
-        out = []
-        for part in self.plans[plan]:
-            if part.startswith("accum"):
-                out.append(CODE_CHANGES["accum"].format(k=int(part[5:])))
-            elif part.startswith("zero"):
-                out.append(CODE_CHANGES["zero"].format(n=self.world_size))
-            else:
-                out.append(CODE_CHANGES[part].format(blocks=", ".join(blocks[:3]) + (", ..." if len(blocks) > 3 else "")))
-        return out
+        return [s.code_change(self.facts) for s in self.applied.get(plan) or self.plans[plan]()]
 
     def to_dict(self) -> dict:
         return {
@@ -161,50 +234,155 @@ class ScriptAdvice:
             "simulated": self.simulated,
             "best": self.best,
             "code_change": self.code_change(),
+            "script_does": None if self.facts is None else asdict(self.facts),
+            "skipped": dict(self.skipped),
+            "failed": dict(self.failed),
             "plans": self.table.reset_index().to_dict(orient="records"),
             "verified": None if self.verified is None else self.verified.reset_index().to_dict(orient="records"),
             "baseline": self.baseline.to_dict(),
         }
 
+    def rich_table(self, table: pd.DataFrame | None = None):
+        """The plans (``table``: a part of them) as a rich table."""
+        return plan_table(self, table, f"{'simulated ' if self.simulated else ''}{self.gpu.name}")
+
     def __rich__(self):
-        from rich.table import Table
-
-        where = f"simulated {self.gpu.name}" if self.simulated else self.gpu.name
-        t = Table(title=f"plans for {fmt_bytes(self.budget)} per rank ({where}, {self.world_size} rank(s)), fastest that fits first")
-        for col in ("plan", "peak allocated", "peak reserved", "fits", "step time", "vs baseline"):
-            t.add_column(col)
-        for name, r in self.table.iterrows():
-            t.add_row(str(name), fmt_bytes(r["peak_allocated"]), fmt_bytes(r["peak_reserved"]),
-                      "yes" if r["fits"] else "no", f"{1e3 * r['seconds']:.1f} ms",
-                      f"{100 * (r['slowdown'] - 1):+.0f} %", style=None if r["fits"] else "dim")
-        return t
+        return self.rich_table()
 
 
-def _observe(path, args, steps, parts, gpu, simulate: bool, timeout, record: dict | None = None) -> Report:
-    def on_model(model, opt):
-        if record is not None:
-            from memprof.strategies.zero import fsdp_units
+class _Schedule:
+    """The plans, one after another, in runs of the script (``observe_script``'s hooks)."""
 
-            record.update(fsdp_units(model))
-        _apply(parts, model, opt)
-        # The untracked warm-up step ran without the plan: give back what it
-        # cached, so the plan's reserved memory is its own.
-        torch.cuda.empty_cache()
+    def __init__(self, plans: dict[str, list], steps: int, simulated: bool, advance) -> None:
+        self.plans, self.steps, self.simulated, self.advance = plans, steps, simulated, advance
+        self.keys = {name: tuple(s.name for s in ss if s.simulated) for name, ss in plans.items()}
+        # Strategies accounted for afterwards (sharding) read the samples of a steady step.
+        self.sampled = {self.keys[n] for n, ss in plans.items() if not all(s.simulated for s in ss)}
+        #: Per plan key: (tracker step of this run, derived counters or None), then its report view.
+        self.steps_of: dict[tuple, tuple[int, Any]] = {}
+        self.views: dict[tuple, Report] = {}
+        self.failed: dict[str, str] = {}
+        #: Plans left out because the script already does what they would (plan -> why).
+        self.skipped: dict[str, str] = {}
+        self.facts: ScriptFacts | None = None
+        self._watch: _Watch | None = None
+        self.baseline: Report | None = None
+        self.units: dict = {}
+        self._stack = ExitStack()
+        self._current: str | None = None
+        self._done, self._start = 0, 0.0
+        self._advanced: set[str] = set()
 
-    return observe_script(
-        path, args, steps=steps, warmup=1, timeout=timeout, on_model=on_model, target=gpu.name if simulate else None
-    )
+    def pending(self) -> list[str]:
+        return [n for n in self.plans if n not in self.failed and n not in self.skipped
+                and self.keys[n] not in self.views and self.keys[n] not in self.steps_of]
 
+    # -- observe_script's hooks ----------------------------------------------------
+    def on_model(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        from memprof.strategies.zero import fsdp_units
 
-def _prediction(report: Report, parts: Sequence[str]):
-    from memprof.strategies import Prediction
+        self.model, self.opt = model, opt
+        self.units = fsdp_units(model)
+        if self.facts is None:
+            self._watch = _Watch(model, opt)
+        self._next()
 
-    # Each observed step ran one of K micro-batches: a real step runs K.
-    k = 1
-    for part in parts:
-        if part.startswith("accum"):
-            k *= int(part[5:])
-    return Prediction.from_report(report, time_factor=k)
+    def on_step(self, tracker) -> bool:
+        from .simulate import replay_step
+
+        self._done += 1
+        if self._watch is not None:
+            self._watch.step()
+        allocator = self._allocator()
+        key = self.keys[self._current]
+        derived = None
+        if allocator is not None:
+            events, allocator.events = allocator.events, []
+            if self._done == 1 and self.steps > 1 and key and key not in self.sampled:
+                derived = replay_step(allocator.model, events, allocator.seconds - self._start)
+            self._start = allocator.seconds
+        if self._done < self.steps and derived is None:
+            return True
+        self.steps_of[key] = (tracker.step - 1, derived)
+        if not key:
+            self.baseline = tracker.report()
+            if self._watch is not None:
+                self.facts, self._watch = self._watch.close(), None
+                self._skip_what_is_done()
+        return self._next()
+
+    def _skip_what_is_done(self) -> None:
+        from memprof.strategies import Autocast, Checkpointing, find_blocks
+
+        facts = self.facts
+        blocks = [n for n, _ in find_blocks(self.model)]
+        covered = bool(blocks) and all(any(b == c or b.startswith(c + ".") for c in facts.checkpointed) for b in blocks)
+        for name, strategies in self.plans.items():
+            if facts.autocast and any(isinstance(s, Autocast) for s in strategies):
+                self.skipped[name] = f"the script already runs its forward under {facts.autocast} autocast"
+            elif covered and any(isinstance(s, Checkpointing) for s in strategies):
+                self.skipped[name] = "the script already checkpoints the repeated blocks"
+            else:
+                continue
+            self._advance(name)
+
+    def end_run(self, report: Report | None) -> None:
+        """The script stopped: each plan's step becomes a view of this run's report."""
+        self._stack.close()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        if report is not None:
+            for key, (step, derived) in self.steps_of.items():
+                view = _step_view(report, step)
+                if derived is not None:
+                    view.steps.loc[:, ["peak_allocated", "peak_reserved", "seconds"]] = [derived]
+                self.views[key] = view
+        self.steps_of.clear()
+        self._current = None
+
+    def fail(self, message: str) -> None:
+        """The current plan broke the script's step."""
+        if self._current is not None:
+            self.failed[self._current] = message
+            self._advance(self._current)
+
+    # -- plans -----------------------------------------------------------------------
+    def _allocator(self):
+        from .virtual_cuda import current
+
+        device = current() if self.simulated else None
+        return device.allocator if device is not None else None
+
+    def _next(self) -> bool:
+        self._stack.close()
+        self._current = None
+        for name in self.plans:  # plans that share a step already run
+            if self.keys[name] in self.steps_of:
+                self._advance(name)
+        for name in self.pending():
+            try:
+                apply_to_script(self.plans[name], self.model, self.opt, self.simulated, self._stack)
+            except Exception as exc:  # e.g. no repeated blocks to checkpoint
+                self._stack.close()
+                self.failed[name] = f"{type(exc).__name__}: {exc}"
+                self._advance(name)
+                continue
+            self._current, self._done = name, 0
+            if hasattr(self.advance, "now"):
+                self.advance.now(name)
+            # What the last plan cached is not this plan's (a fresh run would not have it).
+            torch.cuda.empty_cache()
+            allocator = self._allocator()
+            if allocator is not None:
+                allocator.events, self._start = [], allocator.seconds
+            return True
+        return False
+
+    def _advance(self, name: str) -> None:
+        if self.advance is not None and name not in self._advanced:
+            self._advanced.add(name)
+            self.advance(name)
 
 
 def advise_script(
@@ -218,15 +396,14 @@ def advise_script(
     margin: float = 0.05,
     timeout: float | None = None,
     progress: bool = True,
+    plans: dict[str, PlanFactory] | None = None,
 ) -> ScriptAdvice:
     """Observe ``path`` and rank plans for it under ``budget`` (per rank).
 
     Simulated on ``target`` (default: the budget's GPU, else an RTX 4090) when
-    no GPU is present or a target is named; measured on the local GPU otherwise
-    (each plan is then run for real).
+    no GPU is present or a target is named; measured on the local GPU otherwise.
+    ``steps``: steps run per plan (the last is the plan's).
     """
-    from memprof.strategies import ZeRO
-
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
     nbytes, named = parse_budget(budget)
@@ -237,51 +414,84 @@ def advise_script(
         gpu = named or get_gpu("RTX4090-24GB")
     else:  # measured on this machine's GPU, whatever the budget names
         gpu = _local_gpu()
-    record: dict = {}
-    baseline = _observe(path, args, steps, [], gpu, simulate, timeout, record)
+    plans = plans or default_plans(world_size, gpu=gpu)
+    if "baseline" not in plans:
+        plans = {"baseline": list, **plans}
+    built = {name: factory() for name, factory in plans.items()}
+    schedule = _Schedule(built, steps, simulate, None)
+    with _progress(progress, len(plans)) as advance:
+        schedule.advance = advance
+        meta = _run(schedule, path, args, gpu, simulate, timeout)
+    baseline = schedule.baseline
     if not simulate and not baseline.device.startswith("cuda"):
         raise ScriptError(
             f"the script trains on the {baseline.device}, not on this machine's GPU: memprof advises on CUDA training; "
             "run it the way it trains on a GPU (its device option after --), or add --target GPU to simulate one"
         )
-    baseline.meta.update(record)
-    base = _prediction(baseline, [])
-    plans = script_plans(world_size)
-    rows = [("baseline", base)]
-    from .advisor import _progress
+    baseline.meta.update({k: meta[k] for k in ("script", "script_args", "target", "simulation_notes") if k in meta})
+    baseline.meta.update(schedule.units)
+    if simulate:
+        baseline.source = "simulate"
+    preds = {}
+    for name, strategies in built.items():
+        if schedule.keys[name] in schedule.views and name not in schedule.failed and name not in schedule.skipped:
+            pred = _prediction(schedule.views[schedule.keys[name]], strategies)
+            preds[name] = _adjusted(pred, strategies, baseline, gpu)
+    table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin)
+    return ScriptAdvice(nbytes, gpu, world_size, table, baseline, plans, script=str(path), simulated=simulate,
+                        applied=built, facts=schedule.facts, failed=schedule.failed, skipped=schedule.skipped)
 
-    with _progress(progress, len(plans) - 1) as advance:
-        for name, parts in plans.items():
-            if name == "baseline":
-                continue
-            runnable = [p for p in parts if not p.startswith("zero")]
-            try:
-                report = _observe(path, args, steps, runnable, gpu, simulate, timeout) if runnable else baseline
-            except Exception as exc:  # a plan the script cannot run is left out, not fatal
-                log.warning("plan %s could not run: %s", name, exc)
-                advance(name)
-                continue
-            pred = _prediction(report, parts)
-            for part in parts:
-                if part.startswith("zero"):
-                    pred = ZeRO(int(part[4:]), world_size).adjust(pred, baseline, gpu)
-            rows.append((name, pred))
-            advance(name)
-    table = rank(rows, base, baseline, nbytes, margin)
-    return ScriptAdvice(str(path), nbytes, gpu, world_size, simulate, baseline, table, plans)
+
+def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> dict:
+    """Run the script until every plan ran or failed; the first run's report's ``meta``."""
+    meta = None
+    while schedule.pending():
+        before = len(schedule.pending())
+        try:
+            report = observe_script(
+                path, args, steps=schedule.steps * before + 1, warmup=1, timeout=timeout,
+                on_model=schedule.on_model, on_step=schedule.on_step, target=gpu.name if simulate else None,
+            )
+        except ScriptError as exc:
+            schedule.end_run(exc.report)
+            if schedule.baseline is None:
+                raise  # the script as it is cannot be observed: nothing to advise on
+            schedule.fail(str(exc))
+            report = exc.report
+        else:
+            schedule.end_run(report)
+        meta = meta or (report.meta if report is not None else None)
+        if len(schedule.pending()) == before:  # the script ended before the next plan could run
+            for name in schedule.pending():
+                schedule.failed[name] = "the script ended before this plan could run: run it for more steps"
+                schedule._advance(name)
+    return meta or {}
+
+
+def _prediction(view: Report, strategies: list):
+    from memprof.strategies import Prediction
+
+    # Each observed step ran one of K micro-batches: a real step runs K.
+    return Prediction.from_report(view, time_factor=_micro_batches(strategies))
 
 
 def verify_script(advice: ScriptAdvice, args: Sequence[str] = (), *, top: int = 3, steps: int = 3) -> pd.DataFrame:
-    """Run the best plans for real on the local GPU (the script's own step) and measure them."""
+    """Run the best plans for real on the local GPU (the script's own step), one run each, and measure them."""
     if not torch.cuda.is_available():
         raise RuntimeError("--verify measures on a CUDA GPU and none is available here")
     names = ["baseline", *[n for n in advice.table.index[advice.table["fits"]] if n != "baseline"][:top]]
     rows = []
     for name in names:
-        parts = [p for p in advice.plans[name] if not p.startswith("zero")]
         torch.cuda.empty_cache()
+        stack = ExitStack()
+
+        def on_model(model, opt, plan=advice.plans[name]()):
+            apply_to_script(plan, model, opt, False, stack)
+            torch.cuda.empty_cache()
+
         try:
-            r = _observe(advice.script, args, steps, parts, advice.gpu, False, None)
+            with stack:
+                r = observe_script(advice.script, args, steps=steps, warmup=1, on_model=on_model)
         except Exception as exc:
             rows.append({"plan": name, "error": f"{type(exc).__name__}: {exc}"})
             continue
