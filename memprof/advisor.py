@@ -183,18 +183,23 @@ def simulate_plans(
     pending = dict(plans)
     report = None
     while pending:
-        first, views, failed = _session(make_workload, base, pending, gpu, steps, advance)
+        first, results, failed = _session(make_workload, base, pending, gpu, steps, advance)
         report = report or first
-        for name, outcome in {**views, **failed}.items():
-            preds[name] = outcome if isinstance(outcome, Exception) else _adjusted(
-                Prediction.from_report(outcome), plans[name], report, gpu)
+        for name, outcome in {**results, **failed}.items():
+            if isinstance(outcome, Report):
+                outcome = Prediction.from_report(outcome)
+            elif isinstance(outcome, tuple):
+                outcome = Prediction(*outcome)
+            preds[name] = outcome if isinstance(outcome, Exception) else _adjusted(outcome, plans[name], report, gpu)
             pending.pop(name)
     return report, preds
 
 
 def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps: int, advance=None):
-    """One build: the base report, a report view per plan simulated, and the
-    plans that failed, until a step fails midway (the rest are left out)."""
+    """One build: the base report; per plan simulated, a report of its steps
+    (where an adjustment reads their samples) or its step's (peak allocated,
+    peak reserved, seconds); and the plans that failed, until a step fails
+    midway (the plans after it are left out)."""
     from memprof.strategies.zero import fsdp_units
 
     from .simulate import SimulatedAllocator, _state_tensors
@@ -205,9 +210,9 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
     base_names = {s.name for s in base}
     rest = {name: [s for s in ss if s.name not in base_names] for name, ss in plans.items()}
     keys = {name: tuple(s.name for s in ss if s.simulated) for name, ss in rest.items()}
-    # Strategies that are accounted for afterwards (sharding) read the samples of a steady step.
+    # Strategies accounted for afterwards (sharding) read the samples of a steady step.
     sampled = {keys[name] for name, ss in rest.items() if not all(s.simulated for s in ss)}
-    views: dict[tuple, Any] = {}
+    results: dict[tuple, Any] = {}
     failed: dict[str, Exception] = {}
     with VirtualCUDA(gpu, allocator=allocator) as device:
         with torch.device("meta"):
@@ -218,65 +223,64 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
             s.apply_simulated(w)
         w.repeats = _Repeats(allocator)
         built = copy.deepcopy(allocator.model)
-        with track(w.model, w.optimizer, warmup=steps, every=1, timeline_steps=steps * (1 + len(plans))) as prof:
-            for _ in range(steps):
-                w.step()
-            report = prof.report()
-            views[()] = report
-            for name, strategies in rest.items():
-                if keys[name] not in views:
-                    if hasattr(advance, "now"):
-                        advance.now(name)
-                    with ExitStack() as undo:
-                        try:
-                            undo.enter_context(w.plan(strategies, simulated=True))
-                            _restart(w, allocator, built)
-                        except Exception as exc:
+        report = _tracked_steps(w, steps, track)
+        results[()] = report
+        for name, strategies in rest.items():
+            if keys[name] not in results:
+                if hasattr(advance, "now"):
+                    advance.now(name)
+                with ExitStack() as undo:
+                    try:
+                        undo.enter_context(w.plan(strategies, simulated=True))
+                        _restart(w, allocator, built)
+                    except Exception as exc:
+                        failed[name] = exc
+                    else:
+                        try:  # tracking costs time: only steps whose samples are read are tracked
+                            results[keys[name]] = (_tracked_steps(w, steps, track) if keys[name] in sampled
+                                                   else _plan_counters(w, allocator, steps))
+                        except Exception as exc:  # the build is left midway through a step
                             failed[name] = exc
-                        else:
-                            try:
-                                views[keys[name]] = _plan_steps(w, allocator, prof, steps, keys[name] in sampled)
-                            except Exception as exc:  # the build is left midway through a step
-                                failed[name] = exc
-                                break
-                if advance is not None:
-                    advance(name)
-            everything = prof.report()
+                            break
+            if advance is not None:
+                advance(name)
     report.source = "simulate"
     report.meta.update(units, target=gpu.name, host="cpu" if not torch.cuda.is_available() else "cuda",
                        plan=_name(base))
     if device.notes:
         report.meta["simulation_notes"] = dict(device.notes)
-    out = {}
-    for name in rest:
-        view = views.get(keys[name])
-        if isinstance(view, tuple):  # (step, derived counters)
-            step, derived = view
-            view = _step_view(everything, step)
-            if derived is not None:
-                view.steps.loc[:, ["peak_allocated", "peak_reserved", "seconds"]] = [derived]
-        if view is not None:
-            out[name] = view
-    return report, out, failed
+    return report, {name: results[keys[name]] for name in rest if keys[name] in results}, failed
 
 
-def _plan_steps(w: Workload, allocator, prof, steps: int, sampled: bool) -> tuple:
-    """Run a plan's first step; derive the steps after it from its allocation
-    events (:func:`memprof.simulate.replay_step`) unless their samples are
-    needed or the events do not repeat. Returns the step to report and the
-    derived (peak allocated, peak reserved, seconds), or None."""
+def _tracked_steps(w: Workload, steps: int, track) -> Report:
+    """``steps`` steps under memprof.track: the report, cut to the last step's samples."""
+    with track(w.model, w.optimizer, warmup=steps, every=1, timeline_steps=1) as prof:
+        for _ in range(steps):
+            w.step()
+    return prof.report()
+
+
+def _plan_counters(w: Workload, allocator, steps: int) -> tuple[int, int, float]:
+    """A plan's steps without tracking: the last one's peak allocated and
+    reserved bytes and seconds; the steps after the first are derived from
+    its allocation events (:func:`memprof.simulate.replay_step`) where they
+    repeat it."""
     from .simulate import replay_step
 
+    allocator.reset_peak()
     allocator.events, start = [], allocator.seconds
     try:
         w.step()
     finally:
         events, allocator.events = allocator.events, None
-    derived = None if sampled or steps == 1 else replay_step(allocator.model, events, allocator.seconds - start)
-    if derived is None:
-        for _ in range(steps - 1):
-            w.step()
-    return prof.step - 1, derived
+    derived = replay_step(allocator.model, events, allocator.seconds - start) if steps > 1 else None
+    if derived is not None:
+        return derived
+    for _ in range(steps - 1):
+        allocator.reset_peak()
+        start = allocator.seconds
+        w.step()
+    return allocator.model.peak_allocated, allocator.model.peak_reserved, allocator.seconds - start
 
 
 def _restart(w: Workload, allocator, built) -> None:

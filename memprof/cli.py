@@ -157,8 +157,12 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
     if advice.skipped:
         reasons = sorted(set(advice.skipped.values()))
         _line(console, f"memprof: {len(advice.skipped)} plan(s) left out: {'; '.join(reasons)}")
+    by_reason: dict[str, list[str]] = {}
     for name, why in advice.failed.items():
-        _line(console, f"memprof: plan {name} could not run: {why}")
+        by_reason.setdefault(why, []).append(name)
+    for why, names in by_reason.items():
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        _line(console, f"memprof: {shown} could not run: {why}")
     shown = advice.table.head(args.top) if args.top else advice.table
     console.print(advice.rich_table(shown))
     best = advice.best

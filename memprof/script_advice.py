@@ -343,9 +343,21 @@ class _Schedule:
 
     def fail(self, message: str) -> None:
         """The current plan broke the script's step."""
-        if self._current is not None:
-            self.failed[self._current] = message
-            self._advance(self._current)
+        name = self._current
+        if name is None:
+            return
+        self.failed[name] = message
+        self._advance(name)
+        if _micro_batches(self.plans[name]) > 1:
+            # The model saw 1/K of each batch-sized input; a loss computed outside it against the
+            # whole batch cannot follow, and would not in the plans with accumulation still to run.
+            why = (f"{message} (memprof runs 1/K of each batch-sized input through the model to simulate K "
+                   "micro-batches, and the script's step could not follow)")
+            for other in self.pending():
+                if _micro_batches(self.plans[other]) > 1:
+                    self.failed[other] = why
+                    self._advance(other)
+            self.failed[name] = why
 
     # -- plans -----------------------------------------------------------------------
     def _allocator(self):
@@ -453,10 +465,12 @@ def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> 
                 on_model=schedule.on_model, on_step=schedule.on_step, target=gpu.name if simulate else None,
             )
         except ScriptError as exc:
-            schedule.end_run(exc.report)
             if schedule.baseline is None:
+                schedule.end_run(None)
                 raise  # the script as it is cannot be observed: nothing to advise on
-            schedule.fail(str(exc))
+            cause = exc.__cause__
+            schedule.fail(f"the script raised {type(cause).__name__}: {cause}" if cause is not None else str(exc))
+            schedule.end_run(exc.report)
             report = exc.report
         else:
             schedule.end_run(report)

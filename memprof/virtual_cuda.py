@@ -344,8 +344,16 @@ class VirtualCUDA:
             # torch.set_default_device("cuda") makes factories allocate there from C++,
             # below any mode: the simulated GPU's default is meta, reported as cuda.
             set_default, get_default = torch.set_default_device, torch.get_default_device
-            stack.callback(set_default, get_default())
-            stack.enter_context(_replace(torch, "set_default_device", lambda device: set_default(_device_arg(device))))
+            before, changed = get_default(), []
+
+            def set_default_device(device) -> None:
+                changed.append(True)
+                set_default(_device_arg(device))
+
+            # Only a script that changed the default has it put back: setting "cpu"
+            # would leave a device mode on every later torch call of the process.
+            stack.callback(lambda: changed and set_default(None if before.type == "cpu" else before))
+            stack.enter_context(_replace(torch, "set_default_device", set_default_device))
             stack.enter_context(
                 _replace(torch, "get_default_device", lambda: _CUDA0 if get_default().type == "meta" else get_default())
             )

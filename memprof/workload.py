@@ -66,11 +66,12 @@ class Workload:
     repeats: Callable[[int, int], int] | None = field(default=None, repr=False)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
-    def step(self) -> torch.Tensor:
-        """One optimizer step over the whole batch; returns the (last micro-batch's) loss."""
+    def step(self) -> torch.Tensor | None:
+        """One optimizer step over the whole batch; returns the last micro-batch's loss
+        (None in a simulation that did not need to run it)."""
         parts = split_batch(self.batch, self.micro_batches)
         device_type = _device_type(self.model)
-        i = 0
+        i, last = 0, None
         while i < len(parts):
             if self.repeats is not None:
                 i += self.repeats(i, len(parts))
@@ -87,13 +88,16 @@ class Workload:
                 loss = self.loss_fn(self.model, part) / len(parts)
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             i += 1
+            if i == len(parts):
+                last = loss.detach()
+            del loss  # each micro-batch starts from the same tensors
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return last
 
     # -- trying strategies ---------------------------------------------------------
     def patch(self, obj: Any, name: str, value: Any) -> None:

@@ -10,9 +10,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def memprof(*args, cwd=ROOT):
+def memprof(*args, cwd=ROOT, env=None):
+    import os
+
     return subprocess.run(
-        [sys.executable, "-m", "memprof.cli", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "memprof.cli", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -24,6 +27,9 @@ def check_schema(data: dict) -> None:
     assert isinstance(data["simulated"], bool)
     assert data["best"] is None or isinstance(data["best"], str)
     assert isinstance(data["code_change"], list) and all(isinstance(c, str) for c in data["code_change"])
+    assert data["script_does"] is None or set(data["script_does"]) == {
+        "autocast", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch"}
+    assert isinstance(data["skipped"], dict) and isinstance(data["failed"], dict)
     assert data["plans"] and data["plans"][0]["plan"] == (data["best"] or data["plans"][0]["plan"])
     for p in data["plans"]:
         assert set(p) == {"plan", "peak_allocated", "peak_reserved", "fits", "seconds", "slowdown", "why"}
@@ -39,10 +45,11 @@ def check_schema(data: dict) -> None:
 def test_gpt_script_advised(tmp_path):
     out = tmp_path / "advice.json"
     # A budget between the plain step's peak and what checkpointing brings it to.
-    r = memprof("advise", "examples/train_gpt.py", "--budget", "180MiB", "--json", out, "--", "--batch-size", "64")
+    r = memprof("advise", "examples/train_gpt.py", "--budget", "180MiB", "--json", out, "--", "--batch-size", "64",
+                env={"COLUMNS": "80"})
     assert r.returncode == 0, r.stderr
-    assert "no GPU here: every plan is simulated" in r.stdout
-    assert "plans for 180.00 MiB per rank (simulated RTX4090-24GB" in r.stdout
+    assert "no GPU here: every plan is simulated on the RTX4090-24GB" in r.stdout
+    assert "plans for 180.00 MiB per rank on simulated RTX4090-24GB" in r.stdout
     data = json.loads(out.read_text())
     check_schema(data)
     plans = {p["plan"]: p for p in data["plans"]}
@@ -53,7 +60,70 @@ def test_gpt_script_advised(tmp_path):
     assert plans["ckpt"]["peak_allocated"] < plans["baseline"]["peak_allocated"]
     assert plans["accum4"]["peak_allocated"] < plans["accum2"]["peak_allocated"] < plans["baseline"]["peak_allocated"]
     assert f"recommended: {data['best']}" in r.stdout
-    assert data["code_change"] and all(f"  - {c}" in r.stdout.replace("\n", " ") or True for c in data["code_change"])
+    # What the script already does: bf16 autocast and 2 micro-batches, so no bf16 plan is offered again.
+    does = data["script_does"]
+    assert does["autocast"] == "bf16" and does["micro_batches"] == 2 and does["checkpointed"] == []
+    assert does["optimizer"] == "AdamW" and does["batch"] == {"idx": [[64, 64], "int64"], "targets": [[64, 64], "int64"]}
+    assert "  mixed precision: bf16 autocast" in r.stdout and "  micro-batches per optimizer step: 2" in r.stdout
+    assert not any(p.startswith("bf16") for p in plans) and "bf16+ckpt" in data["skipped"]
+    assert "from 2 to 4 micro-batches" in " ".join(ScriptAdviceCodeChange(data, "accum2"))
+    # Distinct results only, and every plan name whole in an 80-column terminal.
+    results = [(p["peak_allocated"], p["peak_reserved"], p["seconds"]) for p in data["plans"]]
+    assert len(set(results)) == len(results)
+    lines = r.stdout.splitlines()
+    rows = [line for line in lines if line.split() and line.split()[0] in plans]
+    assert len(rows) == len(plans) and all(len(line) <= 80 for line in rows)
+    # The script ran once, quietly: its own lines are in the log, not on the terminal.
+    assert "parameters on cuda" not in r.stdout and "step 0: loss" not in r.stdout
+    log = next(line.split(" is in ")[1].split(" (")[0] for line in lines if "the script's own output is in" in line)
+    text = Path(log).read_text()
+    assert text.count("parameters on cuda") == 1 and "step 0: loss" in text
+
+
+def ScriptAdviceCodeChange(data: dict, plan: str) -> list[str]:
+    """The code change of ``plan`` as the advice phrases it for this script."""
+    from memprof.strategies import Accumulation
+
+    return [Accumulation(int(plan[5:])).code_change(type("Facts", (), data["script_does"]))]
+
+
+def test_progress_bar_on_a_terminal_only(tmp_path):
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "memprof.cli", "advise", "examples/train_mlp.py", "--budget", "t4"],
+                            cwd=ROOT, stdout=slave, stderr=slave, stdin=slave, env={**os.environ, "COLUMNS": "80"})
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert proc.wait(timeout=600) == 0, out.decode(errors="replace")[-2000:]
+    text = out.decode(errors="replace")
+    import re
+
+    assert re.search(r"plans \((now|done): [a-z0-9_+]+\).*\d+/\d+", text)  # the bar: current plan, plans done
+    piped = memprof("advise", "examples/train_mlp.py", "--budget", "t4")
+    assert piped.returncode == 0 and "plans (" not in piped.stdout + piped.stderr
+
+
+def test_gpu_without_bf16_gets_fp16_plans(tmp_path):
+    out = tmp_path / "advice.json"
+    r = memprof("advise", "examples/train_mlp.py", "--budget", "t4", "--json", out)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    names = [p["plan"] for p in data["plans"]]
+    assert data["target"] == "T4-16GB" and data["script_does"]["autocast"] is None
+    assert "fp16" in names and "fp16+offload_act" in names and not any("bf16" in n for n in names)
+    # The loss is computed outside the model on the whole batch: accumulation plans cannot run, and say why.
+    assert set(data["failed"]) >= {"accum2", "accum4", "fp16+accum8"}
+    assert "1/K of each batch-sized input" in data["failed"]["accum4"]
 
 
 def test_hf_script_advised():
