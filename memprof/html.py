@@ -79,6 +79,8 @@ pre.rich {{ font-family: ui-monospace, monospace; font-size: 13px; line-height: 
 <h1>{html.escape(title)}</h1>
 <section id="categories"><h2>Where the memory went</h2>{table}</section>
 <section id="timeline"><h2>Timeline</h2>{timeline_svg(report)}</section>
-<section id="modules"><h2>Modules</h2>{tree}</section>
+<section id="modules"><h2>Modules at the peak</h2><p>What each module held at the moment of the peak, its
+submodules included, so the root's figures are the category table's. Bytes saved over the whole step are in
+<code>report.modules["activations_saved_over_step"]</code>.</p>{tree}</section>
 </body></html>
 """

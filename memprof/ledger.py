@@ -20,7 +20,6 @@ from .categories import Category
 __all__ = ["Entry", "Ledger", "storage_bytes"]
 
 
-
 def storage_bytes(storage: torch.UntypedStorage, block: int = 1) -> int:
     """Bytes a storage occupies in an allocator that hands out ``block``-byte multiples."""
     n = storage.nbytes()
@@ -36,7 +35,15 @@ class Entry:
 
 
 class Ledger:
-    """Live storages by category, with running totals that are O(1) to read."""
+    """Live storages by category, with running totals that are O(1) to read.
+
+    While a journal is open (:meth:`open_journal`), every change to the totals
+    is also appended to it, so the bytes of each module and category at an
+    earlier moment (a :meth:`mark`) can be rebuilt afterwards
+    (:meth:`by_module`): the tracker learns which moment was the step's peak
+    only once the step is over, and copying a per-module table at every
+    sample would cost more than one list append per change.
+    """
 
     def __init__(self, block: int = 1) -> None:
         # CUDA's caching allocator hands out 512-byte multiples
@@ -45,6 +52,12 @@ class Ledger:
         self.block = block
         self._entries: dict[weakref.ref, Entry] = {}
         self.totals: dict[Category, int] = defaultdict(int)
+        self._journal: list[tuple[Category, str, int]] | None = None
+
+    def _change(self, category: Category, module: str, nbytes: int) -> None:
+        self.totals[category] += nbytes
+        if self._journal is not None:
+            self._journal.append((category, module, nbytes))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -72,13 +85,15 @@ class Ledger:
         if old is not None:
             if not replace or (old.category is category and old.module == module):
                 return 0
-            self.totals[old.category] -= old.nbytes
+            self._change(old.category, old.module, -old.nbytes)
             old.category, old.module, old.detail = category, module, detail
-            self.totals[category] += old.nbytes
+            self._change(category, module, old.nbytes)
             return old.nbytes
         nbytes = storage_bytes(storage, self.block)
         entries[weakref.ref(storage, self._forget)] = Entry(category, module, detail, nbytes)
-        self.totals[category] += nbytes
+        self.totals[category] += nbytes  # _change, inlined: this runs for every saved tensor
+        if self._journal is not None:
+            self._journal.append((category, module, nbytes))
         return nbytes
 
     def resize(self, storage: torch.UntypedStorage) -> None:
@@ -87,13 +102,16 @@ class Ledger:
         entry = self._entries.get(weakref.ref(storage))
         if entry is not None:
             nbytes = storage_bytes(storage, self.block)
-            self.totals[entry.category] += nbytes - entry.nbytes
-            entry.nbytes = nbytes
+            if nbytes != entry.nbytes:
+                self._change(entry.category, entry.module, nbytes - entry.nbytes)
+                entry.nbytes = nbytes
 
     def _forget(self, key: weakref.ref) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            self.totals[entry.category] -= entry.nbytes
+            self.totals[entry.category] -= entry.nbytes  # _change, inlined
+            if self._journal is not None:
+                self._journal.append((entry.category, entry.module, -entry.nbytes))
 
     def attributed(self) -> int:
         return sum(self.totals.values())
@@ -110,13 +128,40 @@ class Ledger:
                 out[getattr(entry, by)] += entry.nbytes
         return dict(out)
 
+    # -- the journal -----------------------------------------------------------
+    def open_journal(self) -> None:
+        """Start recording every change (a profiled step begins)."""
+        self._journal = []
+
+    def close_journal(self) -> None:
+        self._journal = None
+
+    def mark(self) -> int:
+        """A moment to rebuild later with :meth:`by_module` (0 without a journal)."""
+        return len(self._journal) if self._journal is not None else 0
+
+    def by_module(self, mark: int | None = None) -> dict[tuple[str, Category], int]:
+        """Bytes per (module, category): now, or as they were at ``mark``.
+
+        The sum over modules of one category equals ``totals`` at that moment
+        exactly: both follow the same changes.
+        """
+        out: dict[tuple[str, Category], int] = defaultdict(int)
+        for entry in list(self._entries.values()):
+            out[(entry.module, entry.category)] += entry.nbytes
+        if mark is not None and self._journal is not None:
+            for category, module, nbytes in self._journal[mark:]:  # undo what came after the mark
+                out[(module, category)] -= nbytes
+        return {k: b for k, b in out.items() if b}
+
     def drop(self, category: Category) -> None:
         """Forget every entry of ``category`` (their storages stay untouched)."""
         for key, entry in list(self._entries.items()):
             if entry.category is category:
                 del self._entries[key]
-                self.totals[category] -= entry.nbytes
+                self._change(category, entry.module, -entry.nbytes)
 
     def clear(self) -> None:
         self._entries.clear()
         self.totals.clear()
+        self._journal = None

@@ -16,7 +16,17 @@ if TYPE_CHECKING:
 
 __all__ = ["render_report", "report_text", "category_table", "module_tree"]
 
-_TREE_COLUMNS = ("parameters", "gradients", "optimizer_state", "activations")
+# The at-peak columns the tree shows, and their short labels.
+_AT_PEAK = {
+    "parameters": "params",
+    "buffers": "buffers",
+    "gradients": "grads",
+    "optimizer_state": "optim",
+    "activations": "activ",
+    "activation_gradients": "act.grads",
+    "inputs": "inputs",
+}
+_OVER_STEP = {"activations_saved_over_step": "activ saved over step"}
 
 
 def category_table(report: "Report") -> Table:
@@ -26,7 +36,9 @@ def category_table(report: "Report") -> Table:
         table = Table(title=title)
         table.add_column("no profiled step yet")
         return table
-    table = Table(title=f"{title}: peak of step {peak.step} in {peak.phase}", title_justify="left")
+    title = f"{title}: peak of step {peak.step} in {peak.phase}"
+    # As wide as its title, so that a phase ("optimizer step") is not split over two lines.
+    table = Table(title=title, title_justify="left", min_width=len(title))
     table.add_column("category")
     table.add_column("size", justify="right")
     table.add_column("share", justify="right")
@@ -43,35 +55,41 @@ def category_table(report: "Report") -> Table:
     return table
 
 
-def module_tree(report: "Report", max_depth: int = 3, min_share: float = 0.01) -> Tree:
-    """Modules with their subtree totals; small or deep ones are folded away."""
+def module_tree(report: "Report", max_depth: int = 3, min_share: float = 0.01, over_step: bool = False) -> Tree:
+    """The module table as a tree: what each module held at the peak, its
+    submodules included, so the root's cells are the category table's.
+    ``over_step``: the bytes saved for backward over the whole step instead.
+    Modules deeper than ``max_depth`` or holding less than ``min_share`` of
+    the root's total are folded away."""
     df = report.modules
+    columns = _OVER_STEP if over_step else _AT_PEAK
+    columns = {c: label for c, label in columns.items() if c in df.columns}
+    peak = report.peak
+    if over_step:
+        title = "modules: bytes saved for backward over the step, submodules included"
+    else:
+        where = f" (step {peak.step}, {peak.phase})" if peak is not None else ""
+        title = f"modules at the peak{where}, submodules included"
+    tree = Tree(f"[bold]{title}[/]")
     names = list(df.index)
-    own = df[list(_TREE_COLUMNS)].to_dict(orient="index")
-    subtotal = {n: dict.fromkeys(_TREE_COLUMNS, 0) for n in names}
-    for n in names:  # each module adds itself to its ancestors
-        parts = n.split(".")
-        for i in range(1, len(parts) + 1):
-            anc = ".".join(parts[:i])
-            if anc in subtotal:
-                for c in _TREE_COLUMNS:
-                    subtotal[anc][c] += int(own[n][c])
-    grand = sum(subtotal[names[0]].values()) if names else 0
+    if not names:
+        tree.add("no modules")
+        return tree
+    rows = df[list(columns)].astype("int64").to_dict(orient="index")
+    grand = sum(rows[names[0]].values())
 
     def label(n: str) -> str:
-        s = subtotal[n]
-        cells = "  ".join(f"{c[:5]} {fmt_bytes(s[c])}" for c in _TREE_COLUMNS if s[c])
+        cells = "  ".join(f"{columns[c]} {fmt_bytes(b)}" for c, b in rows[n].items() if b)
         return f"[bold]{n.rsplit('.', 1)[-1]}[/] ({df.at[n, 'type']})  {cells}"
 
-    root = Tree(label(names[0]) if names else "no modules")
-    nodes = {names[0]: root} if names else {}
+    nodes = {names[0]: tree.add(label(names[0]))}
     for n in names[1:]:
         parent = n.rpartition(".")[0]
         depth = n.count(".")
-        if parent not in nodes or depth > max_depth or sum(subtotal[n].values()) < min_share * grand:
+        if parent not in nodes or depth > max_depth or sum(rows[n].values()) < min_share * grand:
             continue
         nodes[n] = nodes[parent].add(label(n))
-    return root
+    return tree
 
 
 def render_report(report: "Report") -> Iterator[RenderableType]:

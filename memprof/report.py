@@ -10,6 +10,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +19,91 @@ import pandas as pd
 from .categories import ALLOCATED, OUTSIDE_ALLOCATED, Category
 from .units import GiB
 
-__all__ = ["Breakdown", "Report", "compare", "MODULE_COLUMNS", "STEP_COLUMNS"]
-
-SCHEMA_VERSION = 1
-
-MODULE_COLUMNS = [
-    "type",
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "activations",
-    "forward_peak_delta",
-    "backward_peak_delta",
+__all__ = [
+    "Breakdown",
+    "Report",
+    "compare",
+    "Phase",
+    "phase_kind",
+    "phase_module",
+    "MODULE_CATEGORIES",
+    "MODULE_COLUMNS",
+    "OVER_STEP_COLUMNS",
+    "STEP_COLUMNS",
 ]
+
+# 2: phases as "forward <module>" (was "forward:<module>"); module rows at the
+# peak, including their submodules, and over-the-step columns apart.
+SCHEMA_VERSION = 2
+
+
+class Phase(str, Enum):
+    """What the training step was doing: the kinds of phase.
+
+    A phase (``Breakdown.phase``, the timeline's ``phase`` column) is a kind's
+    value, followed for the three kinds that run inside a module by a space and
+    that module's path as in ``Report.modules``: ``"forward GPT.transformer.h.3.attn"``.
+    Each sample closes an interval of the step and the interval is named by
+    the phase it ran in; a step runs ``between steps``, ``forward ...``,
+    ``loss``, ``backward ...``, ``after backward`` (repeated for each
+    micro-batch) and ``optimizer step``, with ``zero_grad`` wherever it is
+    called.
+    """
+
+    #: ``forward <module>``: the innermost module whose forward is running.
+    FORWARD = "forward"
+    #: ``recompute <module>``: a checkpointed module's forward, run again in backward.
+    RECOMPUTE = "recompute"
+    #: ``backward <module>``: the innermost module whose backward is running;
+    #: ``backward`` alone: backward outside the model's modules (code that made its inputs).
+    BACKWARD = "backward"
+    #: After the model's forward returned, until backward reaches its outputs:
+    #: the loss computed outside the model, its forward and its backward.
+    LOSS = "loss"
+    #: Backward is done; before the next micro-batch's forward or the
+    #: optimizer step: gradient clipping, unscaling, the next micro-batch's data.
+    AFTER_BACKWARD = "after backward"
+    #: ``optimizer.step()``, from its start (after the closure, if it is given one) to its end.
+    OPTIMIZER_STEP = "optimizer step"
+    #: The optimizer's or the model's ``zero_grad()``.
+    ZERO_GRAD = "zero_grad"
+    #: After the optimizer step until the next forward (before the first one in
+    #: the first step): data loading, logging, checkpoint saving.
+    BETWEEN_STEPS = "between steps"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_IN_MODULE = (Phase.FORWARD, Phase.RECOMPUTE, Phase.BACKWARD)
+
+
+def phase_kind(phase: str) -> Phase | None:
+    """The kind of a phase string (``"backward GPT.lm_head"`` -> ``Phase.BACKWARD``); None if it is none."""
+    try:
+        return Phase(phase)
+    except ValueError:
+        pass
+    kind, _, module = phase.partition(" ")
+    if module and kind in {k.value for k in _IN_MODULE}:
+        return Phase(kind)
+    return None
+
+
+def phase_module(phase: str) -> str:
+    """The module path of a ``forward``/``recompute``/``backward`` phase, else ``""``."""
+    return phase.partition(" ")[2] if phase_kind(phase) in _IN_MODULE else ""
+
+
+#: What a module can hold: every allocated category but temporaries, which no
+#: module claims. The module table's columns of the same names.
+MODULE_CATEGORIES: tuple[Category, ...] = tuple(c for c in ALLOCATED if c is not Category.TEMPORARIES)
+
+#: The module table's columns that are not about the peak's moment but about
+#: the whole reported step (every micro-batch, and recomputation).
+OVER_STEP_COLUMNS = ["activations_saved_over_step", "forward_peak_delta", "backward_peak_delta"]
+
+MODULE_COLUMNS = ["type", *(c.value for c in MODULE_CATEGORIES), *OVER_STEP_COLUMNS]
 STEP_COLUMNS = ["step", "profiled", "peak_allocated", "peak_reserved", "allocated", "reserved", "seconds"]
 
 
@@ -39,7 +112,8 @@ class Breakdown:
     """Bytes per category at one moment (the peak of a step)."""
 
     step: int
-    #: The phase in which that moment fell, e.g. ``backward:GPT2LMHeadModel.lm_head``.
+    #: The phase in which that moment fell, e.g. ``backward GPT2LMHeadModel.lm_head``
+    #: or ``optimizer step`` (see :class:`Phase`).
     phase: str
     #: Category value -> bytes. Every allocated category is present; the
     #: categories outside the allocator (fragmentation, non_pytorch) only
@@ -79,10 +153,34 @@ def _empty(columns: list[str]) -> pd.DataFrame:
 class Report:
     """Where training memory went.
 
-    ``peak`` is the breakdown at the highest peak among the profiled steps;
-    ``optimizer_state`` bytes per state name (Adam's ``exp_avg`` and
-    ``exp_avg_sq`` apart); ``modules`` one row per module; ``timeline`` the
-    samples of the last profiled steps; ``steps`` one row per step.
+    ``peak`` is the breakdown at the highest peak among the profiled steps
+    (the *reported step* is that peak's step); ``optimizer_state`` bytes per
+    state name (Adam's ``exp_avg`` and ``exp_avg_sq`` apart) at the end of the
+    reported step; ``timeline`` the samples of the last profiled steps;
+    ``steps`` one row per step.
+
+    ``modules`` has one row per module, indexed by its path (the root's class
+    name, then ``named_modules()``'s name), parents before their children.
+    A row includes its submodules, so the root row holds everything that
+    any module holds. The columns named after a category
+    (:data:`MODULE_CATEGORIES`) are the bytes live at the peak's moment: the
+    root row's equal ``peak.bytes`` for those categories exactly, and the
+    rows of a module's children add up to its own row less what its own code
+    holds. Every live storage is attributed to one module, and counts in that
+    module's row and its ancestors': parameters and buffers, and a
+    parameter's gradient and optimizer state, to the module that registers
+    them; an activation (a tensor saved for backward) to the innermost module
+    running when it was first saved, so a tensor saved by two modules (a
+    ReLU's output, saved by the ReLU and by the next Linear) belongs to the
+    first; an activation gradient to the module whose backward produced it;
+    inputs to the root. Temporaries have no module. The columns in
+    :data:`OVER_STEP_COLUMNS` are about the whole reported step instead:
+    ``activations_saved_over_step`` the bytes saved for backward while the
+    module ran, every forward of the step added up (micro-batches,
+    recomputation; a storage saved twice within one module's row counts
+    once), and ``forward_peak_delta`` / ``backward_peak_delta`` the most its
+    forward / backward raised allocated memory above where it began.
+    Do not sum a column over all rows: a row already includes its submodules.
     """
 
     device: str

@@ -12,6 +12,10 @@ therefore works in two gears:
   forward and backward, and attributes every live storage to a category and a
   module. Those hooks are removed again at the step's end.
 
+Each sample closes an interval named by its phase (``report.Phase``). The
+module table is the ledger at the peak's moment, rebuilt once at the step's
+end from the ledger's journal, so finding it costs the samples nothing.
+
 Memory in a steady training loop repeats step after step, so profiling a few
 steps explains all of them; ``report().steps`` shows every step's peak, so a
 step that drifts from the profiled ones is visible.
@@ -19,6 +23,7 @@ step that drifts from the profiled ones is visible.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -34,13 +39,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .allocator import counters_for
 from .categories import ALLOCATED, Category
 from .ledger import Ledger
-from .report import MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Report
+from .report import MODULE_CATEGORIES, MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Phase, Report
 
 __all__ = ["Tracker", "track"]
 
 log = logging.getLogger(__name__)
 
-_NAMED = tuple(c for c in ALLOCATED if c is not Category.TEMPORARIES)
+_NAMED = MODULE_CATEGORIES  # the categories the ledger attributes: all but temporaries
 _TIMELINE_ROWS_PER_STEP = 50_000
 
 # The tracker whose hooks are installed, if any: module and optimizer hooks are
@@ -137,10 +142,21 @@ class Tracker:
             (m, f"{root}.{n}" if n else root) for n, m in model.named_modules()
         )
         self._types = {self._names[m]: type(m).__name__ for m in model.modules()}
+        # Each module's path and its ancestors' up to the root: a module row
+        # includes its submodules.
+        self._chains: dict[str, tuple[str, ...]] = {}
+        for name in self._types:
+            parent = name.rpartition(".")[0]
+            self._chains[name] = (name, *self._chains.get(parent, ()))
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         self._primary: weakref.ref | None = self._optimizer
 
         self._handles: list = []  # removed on exit
+        # Classes whose zero_grad is wrapped, (class, its own zero_grad or None, the wrapper): restored on exit.
+        self._zero_grads: list[tuple[type, Any, Any]] = []
+        # id -> weak reference of the model and the optimizers whose zero_grad is a phase
+        # (by id: a module may define __eq__ and so not be hashable).
+        self._zero_grad_targets: dict[int, weakref.ref] = {}
         self._step_handles: list = []  # removed at the end of each profiled step
         self._saved_hooks: saved_tensors_hooks | None = None
         self._active = False
@@ -155,6 +171,9 @@ class Tracker:
         self._steps: list[tuple] = []
         self._peaks: list[Breakdown] = []
         self._timeline: deque[list[tuple]] = deque(maxlen=timeline_steps)
+        # The reported step (the highest peak, the latest of equal ones): its
+        # breakdown, module table and optimizer state by name.
+        self._reported: Breakdown | None = None
         self._modules: dict[str, dict[str, int]] = {}
         self._optimizer_state: dict[str, int] = {}
 
@@ -179,8 +198,10 @@ class Tracker:
             self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
             self._handles.append(model.register_forward_pre_hook(self._on_root_pre))
+            self._wrap_zero_grad(model)
             if self._optimizer is not None:
                 self._optimizers[self._optimizer()] = True
+                self._wrap_zero_grad(self._optimizer())
             self._begin_step()
         except BaseException:
             self._close()
@@ -201,7 +222,7 @@ class Tracker:
 
     def report(self) -> Report:
         """What was measured so far (callable inside or after the ``with`` block)."""
-        peak = max(self._peaks, key=lambda b: (b.allocated, b.step), default=None)
+        peak = self._reported
         names = list(self._types)
         modules = pd.DataFrame(
             [{"type": self._types[n], **{c: self._modules.get(n, {}).get(c, 0) for c in MODULE_COLUMNS[1:]}} for n in names],
@@ -253,22 +274,29 @@ class Tracker:
     # -- profiled steps --------------------------------------------------------
     def _start_profile(self) -> None:
         self._refresh_state()
+        self._ledger.open_journal()
         self._fwd: list[_Span] = []
         self._bwd: dict[str, _Span] = {}
-        self._phase = "other"
+        # Whether the open forwards run inside backward: a checkpointed
+        # module's recomputation, which is neither a new forward nor the loss.
+        self._recompute = False
+        self._bwd_task: int | None = None  # the backward whose end is awaited
+        self._kind, self._phase_module, self._phase = Phase.BETWEEN_STEPS, "", Phase.BETWEEN_STEPS.value
+        # The timeline gets this step's samples when the step ends: a step that
+        # never does (the one the block exits in, before any forward, after
+        # zero_grad()) must not push a finished one out.
         self._rows: list[tuple] = []
-        self._timeline.append(self._rows)
         self._saved_seen: set = set()
-        self._activations: dict[str, int] = defaultdict(int)
+        self._saved_over_step: dict[str, int] = defaultdict(int)
         self._fwd_delta: dict[str, int] = defaultdict(int)
         self._bwd_delta: dict[str, int] = defaultdict(int)
-        self._gradients: dict[str, int] = {}
         self._peak: tuple | None = None
         self._reserved_high: int | None = None
         c = self._counters.read()
         self._last_alloc = c.allocated if c else self._ledger.attributed()
         self._last_reserved = c.reserved if c else None
         self._last_totals = self._ledger.snapshot()
+        self._last_mark = self._ledger.mark()
         self._big = max(self._last_alloc >> 5, 1 << 20)
         h = self._step_handles
         h.append(nn.modules.module.register_module_forward_pre_hook(self._on_pre))
@@ -278,14 +306,12 @@ class Tracker:
                 h.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
 
     def _finish_profile(self) -> None:
-        self._sample("end")
-        for span in list(self._bwd.values()):
-            self._close_backward(span.name)
+        self._end_backward(Phase.BETWEEN_STEPS)
         for handle in self._step_handles:
             handle.remove()
         self._step_handles.clear()
         self._pop_saved_hooks()
-        alloc, phase, totals, reserved = self._peak
+        alloc, phase, totals, reserved, mark = self._peak
         counts = {c.value: totals.get(c, 0) for c in _NAMED}
         counts[Category.TEMPORARIES.value] = alloc - sum(counts.values())
         if reserved is not None:
@@ -293,23 +319,49 @@ class Tracker:
             used = self._counters.nvml_used()
             if used is not None:
                 counts[Category.NON_PYTORCH.value] = max(used - self._last_reserved, 0)
-        self._peaks.append(Breakdown(step=self.step, phase=phase, bytes=counts))
-        # Module table of the latest profiled step (steady state).
+        peak = Breakdown(step=self.step, phase=phase, bytes=counts)
+        self._peaks.append(peak)
+        self._timeline.append(self._rows)
         led = self._ledger
-        groups = {
-            "parameters": led.group(Category.PARAMETERS),
-            "gradients": self._gradients or led.group(Category.GRADIENTS),
-            "optimizer_state": led.group(Category.OPTIMIZER_STATE),
-            "activations": self._activations,
-            "forward_peak_delta": self._fwd_delta,
-            "backward_peak_delta": self._bwd_delta,
-        }
-        self._modules = {n: {col: int(g.get(n, 0)) for col, g in groups.items()} for n in self._types}
-        self._optimizer_state = led.group(Category.OPTIMIZER_STATE, by="detail")
+        best = self._reported
+        if best is None or peak.allocated >= best.allocated:
+            # This step is now the reported one: its module table, at the
+            # moment of its peak, and over the step.
+            self._reported = peak
+            self._modules = self._module_rows(led.by_module(mark))
+            self._optimizer_state = led.group(Category.OPTIMIZER_STATE, by="detail")
+        led.close_journal()
         # Activations and their gradients of this step are dead or about to be;
         # keep the ledger small between profiled steps.
         for cat in (Category.ACTIVATIONS, Category.ACTIVATION_GRADIENTS, Category.INPUTS):
             led.drop(cat)
+
+    def _module_rows(self, at_peak: dict[tuple[str, Category], int]) -> dict[str, dict[str, int]]:
+        """Each module's row: what it and its submodules held at the peak, and over the step."""
+        rows = {n: dict.fromkeys(MODULE_COLUMNS[1:], 0) for n in self._types}
+        for (module, cat), nbytes in at_peak.items():
+            for name in self._ancestors(module):
+                rows[name][cat.value] += nbytes
+        for name, nbytes in self._saved_over_step.items():
+            rows[name]["activations_saved_over_step"] = nbytes
+        for name, delta in self._fwd_delta.items():
+            rows[name]["forward_peak_delta"] = delta
+        for name, delta in self._bwd_delta.items():
+            rows[name]["backward_peak_delta"] = delta
+        return rows
+
+    def _ancestors(self, module: str) -> tuple[str, ...]:
+        """``module`` and its ancestors, the rows that count what it holds."""
+        chain = self._chains.get(module)
+        if chain is None:
+            # Not in the table (a module added after track() began, or no
+            # module: ""): its nearest ancestor that is, else the root.
+            name = module
+            while name and name not in self._chains:
+                name = name.rpartition(".")[0]
+            chain = self._chains[name or self._root_name]
+            self._chains[module] = chain
+        return chain
 
     def _refresh_state(self) -> None:
         """Record parameters, buffers, gradients and optimizer state that exist now."""
@@ -341,14 +393,16 @@ class Tracker:
         d = t.device
         return d.type == self.device.type and d.index == self.device.index
 
-    def _sample(self, phase: str) -> int:
-        """Close the interval that ran in the current phase; return allocated bytes now."""
+    def _sample(self, kind: Phase, module: str = "") -> int:
+        """Close the interval that ran in the current phase and begin one of
+        phase ``kind`` (in ``module``); return allocated bytes now."""
         for ref in self._resizable:
             storage = ref()
             if storage is not None:
                 self._ledger.resize(storage)
         c = self._counters.read()
         totals = self._ledger.snapshot()
+        mark = self._ledger.mark()
         if c is None:
             alloc = sum(totals.values())
             high, reserved, reserved_high = max(alloc, self._last_alloc), None, None
@@ -359,8 +413,11 @@ class Tracker:
         if self._peak is None or high > self._peak[0]:
             # Between two samples only the counters' peak is known; attribute it
             # with the ledger of the higher end and call the rest temporaries.
-            named = totals if alloc >= self._last_alloc else self._last_totals
-            self._peak = (high, self._phase, named, reserved_high)
+            # The mark lets the module table be rebuilt at that same end.
+            if alloc >= self._last_alloc:
+                self._peak = (high, self._phase, totals, reserved_high, mark)
+            else:
+                self._peak = (high, self._phase, self._last_totals, reserved_high, self._last_mark)
         for span in self._fwd:
             span.high = max(span.high, high)
         for span in self._bwd.values():
@@ -370,9 +427,10 @@ class Tracker:
             self._rows.append(
                 (self.step, len(self._rows), self._phase, alloc, high, reserved, *named_now, alloc - sum(named_now))
             )
-        self._last_alloc, self._last_totals, self._last_reserved = alloc, totals, reserved
+        self._last_alloc, self._last_totals, self._last_reserved, self._last_mark = alloc, totals, reserved, mark
         self._big = max(alloc >> 5, 1 << 20)
-        self._phase = phase
+        self._kind, self._phase_module = kind, module
+        self._phase = f"{kind.value} {module}" if module else kind.value
         return alloc
 
     # -- hooks: forward --------------------------------------------------------
@@ -383,29 +441,47 @@ class Tracker:
         name = self._names.get(module)
         if name is None:  # a module outside the tracked model: part of its caller
             return
-        alloc = self._sample("forward:" + name)
-        if not self._fwd:  # the root: its inputs, and start watching saved tensors
-            for t in _tensors(args):
-                if self._on_device(t):
-                    self._ledger.add(_storage(t), Category.INPUTS, name)
-            self._saved_seen.clear()
+        outer = not self._fwd
+        if outer:
+            # A forward that begins while autograd runs a node is a checkpointed
+            # module's recomputation (torch.utils.checkpoint, either kind).
+            self._recompute = torch._C._current_autograd_node() is not None
+        alloc = self._sample(Phase.RECOMPUTE if self._recompute else Phase.FORWARD, name)
+        if outer:  # the root: its inputs, and start watching saved tensors
+            if not self._recompute:
+                for t in _tensors(args):
+                    if self._on_device(t):
+                        self._ledger.add(_storage(t), Category.INPUTS, name)
+                self._saved_seen.clear()
+            # Also while recomputing: what the recomputation keeps for the
+            # backward in progress are activations again.
             self._push_saved_hooks()
         self._fwd.append(_Span(name, alloc))
-        _on_first_grad(args, lambda g, n=name: self._on_backward_end(n))
+        if not self._recompute:
+            _on_first_grad(args, lambda g, n=name: self._on_backward_end(n))
 
     def _on_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         name = self._names.get(module)
         if name is None or not self._fwd or self._fwd[-1].name != name:
             return
         span = self._fwd[-1]
-        is_root = len(self._fwd) == 1
-        if is_root:
+        outer = len(self._fwd) == 1
+        if outer:
             self._pop_saved_hooks()
-        alloc = self._sample("forward:" + self._fwd[-2].name if not is_root else "other")
+        if not outer:
+            alloc = self._sample(Phase.RECOMPUTE if self._recompute else Phase.FORWARD, self._fwd[-2].name)
+        elif self._recompute:  # back to the backward that asked for it
+            alloc = self._sample(*self._backward_phase(self._bwd))
+        else:
+            alloc = self._sample(Phase.LOSS)
         self._fwd.pop()
+        if self._recompute:
+            # The recomputed graph is not the one backward runs through; the
+            # module's forward was measured when it first ran.
+            return
         self._fwd_delta[name] = max(self._fwd_delta[name], max(span.high, alloc) - span.start)
         outs = _on_first_grad(output, lambda g, n=name: self._on_backward_start(n))
-        if is_root and outs:
+        if outer and outs:
             self._hook_graph(outs)
 
     def _push_saved_hooks(self) -> None:
@@ -439,15 +515,24 @@ class Tracker:
             # in place; its size is re-read at every sample.
             self._ledger.add(storage, Category.PARAMETERS, module, "gathered")
             self._resizable.append(weakref.ref(storage))
+        # The first module to save a storage owns it: a later save of the same
+        # storage (the next Linear saving a ReLU's output) adds nothing live.
         added = self._ledger.add(storage, Category.ACTIVATIONS, module)
         if added >= self._big:
-            self._sample(self._phase)
-        key = (module, weakref.ref(storage))
-        if key not in self._saved_seen:  # bytes this module's own ops keep, once per storage
-            self._saved_seen.add(key)
-            entry = self._ledger.get(storage)
-            if entry is not None and entry.category not in (Category.PARAMETERS, Category.BUFFERS):
-                self._activations[module] += entry.nbytes
+            self._sample(self._kind, self._phase_module)
+        entry = self._ledger.get(storage)
+        if entry is None or entry.category in (Category.PARAMETERS, Category.BUFFERS):
+            return
+        # Over the step, every module row that this save happens inside counts
+        # the storage once; its ancestors have counted it whenever it has.
+        ref = weakref.ref(storage)
+        seen = self._saved_seen
+        for name in self._ancestors(module):
+            key = (name, ref)
+            if key in seen:
+                break
+            seen.add(key)
+            self._saved_over_step[name] += entry.nbytes
 
     # -- hooks: backward -------------------------------------------------------
     def _hook_graph(self, outputs: Iterable[torch.Tensor]) -> None:
@@ -466,7 +551,7 @@ class Tracker:
     def _on_node_grads(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         if not self._active or not self._profiled:
             return
-        module = self._phase.partition(":")[2] or self._root_name
+        module = self._phase_module or self._root_name
         added = 0
         for g in grad_inputs:
             if g is not None and self._on_device(g):
@@ -475,28 +560,46 @@ class Tracker:
             # A large gradient was just produced, and the node's saved tensors
             # are still alive (autograd frees them after its post hooks): the
             # likeliest moment of a backward peak, so look at it exactly.
-            self._sample(self._phase)
+            self._sample(self._kind, self._phase_module)
 
-    def _backward_phase(self, names: Iterable[str]) -> str:
+    def _backward_phase(self, names: Iterable[str]) -> tuple[Phase, str]:
         # The innermost open module: a module and its last child share an
         # output tensor, and the child's hook fires first.
-        inner = max(names, key=lambda n: n.count("."), default=None)
-        return "backward:" + inner if inner is not None else "backward"
+        inner = max(names, key=lambda n: n.count("."), default="")
+        return Phase.BACKWARD, inner
 
     def _on_backward_start(self, name: str) -> None:
         if not self._active or not self._profiled or name in self._bwd:
             return
-        alloc = self._sample(self._backward_phase([*self._bwd, name]))
+        task = torch._C._current_graph_task_id()
+        if task != self._bwd_task:
+            # Autograd calls this back when the whole backward is done (as
+            # FSDP does): the end of backward is then a sample, not a guess.
+            self._bwd_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_done)
+        alloc = self._sample(*self._backward_phase([*self._bwd, name]))
         self._bwd[name] = _Span(name, alloc)
 
     def _on_backward_end(self, name: str) -> None:
         if self._active and self._profiled and name in self._bwd:
             self._close_backward(name)
 
+    def _on_backward_done(self) -> None:
+        self._bwd_task = None
+        if self._active and self._profiled:
+            self._end_backward(Phase.AFTER_BACKWARD)
+
     def _close_backward(self, name: str) -> None:
-        alloc = self._sample(self._backward_phase(n for n in self._bwd if n != name))
+        alloc = self._sample(*self._backward_phase(n for n in self._bwd if n != name))
         span = self._bwd.pop(name)
         self._bwd_delta[name] = max(self._bwd_delta[name], max(span.high, alloc) - span.start)
+
+    def _end_backward(self, kind: Phase) -> None:
+        """Sample, beginning phase ``kind``, and close every open backward span there."""
+        alloc = self._sample(kind)
+        for name, span in self._bwd.items():
+            self._bwd_delta[name] = max(self._bwd_delta[name], max(span.high, alloc) - span.start)
+        self._bwd.clear()
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
         if p.grad is not None and self._on_device(p.grad):
@@ -517,8 +620,10 @@ class Tracker:
                     for p in g["params"][:1]
                 )
             self._optimizers[opt] = known
-            if known and self._primary is None:
-                self._primary = weakref.ref(opt)
+            if known:
+                self._wrap_zero_grad(opt)
+                if self._primary is None:
+                    self._primary = weakref.ref(opt)
         return known
 
     def _on_optimizer_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
@@ -542,10 +647,7 @@ class Tracker:
         return (args[0], wrapped, *args[2:]), kwargs
 
     def _enter_optimizer(self) -> None:
-        for span in list(self._bwd.values()):
-            self._close_backward(span.name)
-        self._gradients = self._ledger.group(Category.GRADIENTS)
-        self._sample("optimizer")
+        self._end_backward(Phase.OPTIMIZER_STEP)
 
     def _on_optimizer_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self._is_ours(opt):
@@ -557,11 +659,62 @@ class Tracker:
             self.step += 1
             self._begin_step()
 
+    # -- zero_grad -------------------------------------------------------------
+    def _wrap_zero_grad(self, obj: nn.Module | torch.optim.Optimizer) -> None:
+        """Name the phase of ``obj.zero_grad()``. PyTorch has no hook for it, so
+        while the block runs ``zero_grad`` of ``obj``'s class is wrapped: the
+        class, not the instance, so that pickling or copying ``obj`` meets
+        nothing of memprof's. Other instances of the class pass straight through."""
+        self._zero_grad_targets[id(obj)] = weakref.ref(obj)
+        cls = type(obj)
+        if any(patched is cls for patched, _, _ in self._zero_grads):
+            return
+        inherited = getattr(cls, "zero_grad", None)
+        if inherited is None:
+            return
+        tracker = weakref.ref(self)
+
+        @functools.wraps(inherited)
+        def zero_grad(this: Any, *args: Any, **kwargs: Any) -> Any:
+            t = tracker()
+            if t is None or not t._active or not t._profiled or not t._is_zero_grad_target(this):
+                return inherited(this, *args, **kwargs)
+            resume = t._kind, t._phase_module
+            t._sample(Phase.ZERO_GRAD)
+            try:
+                return inherited(this, *args, **kwargs)
+            finally:
+                if t._active and t._profiled:
+                    t._sample(*resume)
+
+        own = cls.__dict__.get("zero_grad")
+        try:
+            cls.zero_grad = zero_grad
+        except TypeError:  # a class that takes no new attributes: its zero_grad stays unnamed
+            return
+        self._zero_grads.append((cls, own, zero_grad))
+
+    def _is_zero_grad_target(self, obj: Any) -> bool:
+        ref = self._zero_grad_targets.get(id(obj))
+        return ref is not None and ref() is obj
+
+    def _unwrap_zero_grads(self) -> None:
+        for cls, own, wrapper in reversed(self._zero_grads):
+            if cls.__dict__.get("zero_grad") is not wrapper:
+                continue  # replaced since by someone else: theirs stays
+            if own is not None:
+                cls.zero_grad = own
+            else:
+                delattr(cls, "zero_grad")
+        self._zero_grads.clear()
+        self._zero_grad_targets.clear()
+
     # -- teardown --------------------------------------------------------------
     def _close(self) -> None:
         global _active
         self._active = False
         self._pop_saved_hooks()
+        self._unwrap_zero_grads()
         for handle in (*self._step_handles, *self._handles):
             handle.remove()
         self._step_handles.clear()

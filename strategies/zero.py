@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from memprof.categories import Category
-from memprof.report import Report
+from memprof.report import Phase, Report, phase_kind, phase_module
 from memprof.workload import Workload
 
 from .base import Prediction, Strategy
@@ -47,6 +47,9 @@ _HOST_ADAM_BYTES_PER_PARAM = 28
 _HOST_BANDWIDTH = 11e9
 
 _STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
+# Phases in which FSDP holds gathered parameters. A checkpointed block's
+# recomputation counts as forward, as it did when it was named so.
+_COMPUTING = (Phase.FORWARD, Phase.RECOMPUTE, Phase.BACKWARD)
 
 
 def fsdp_units(model: nn.Module) -> dict:
@@ -70,8 +73,8 @@ def optimizer_settings(opt: torch.optim.Optimizer) -> dict:
 
 
 def _in_block(phase: str, blocks: list[str]) -> bool:
-    """Whether a sample's phase (``backward:Model.layers.3.mlp``) falls inside one of ``blocks``."""
-    path = phase.partition(":")[2].partition(".")[2]
+    """Whether a sample's phase (``backward Model.layers.3.mlp``) falls inside one of ``blocks``."""
+    path = phase_module(phase).partition(".")[2]
     return bool(path) and any(path == b or path.startswith(b + ".") for b in blocks)
 
 
@@ -142,7 +145,7 @@ class ZeRO(Strategy):
         if n == 1 and not self.offload:
             return prediction  # nothing to shard
         report = prediction.report if prediction.report is not None else baseline
-        params = int(baseline.modules["parameters"].sum())
+        params = int(baseline.modules["parameters"].iloc[0])  # the root row: the whole model
         t = report.timeline
         last = t[t["step"] == t["step"].max()]
         # The optimizer's own temporaries fall after its sample (taken as it
@@ -151,15 +154,15 @@ class ZeRO(Strategy):
         unsampled = len(last) > 0 and step_peak > int(last["interval_peak"].max())
         values, computing = [], False
         for _, s in last.iterrows():
-            phase = str(s["phase"]).split(":")[0]
+            kind = phase_kind(str(s["phase"]))
             # FSDP gathers from the first forward to the end of backward (the
-            # loss between them may run outside the model, in phase "other").
-            computing = phase in ("forward", "backward") or computing and phase == "other"
-            values.append(self._bytes(s, phase, computing, params, baseline, step_peak if unsampled else 0))
+            # loss between them runs outside the model, in phase "loss").
+            computing = kind in _COMPUTING or computing and kind in (Phase.LOSS, Phase.ZERO_GRAD)
+            values.append(self._bytes(s, kind, computing, params, baseline, step_peak if unsampled else 0))
         peak = max(values, default=step_peak)
         return prediction.minus(prediction.peak_allocated - peak, self._seconds(params, gpu))
 
-    def _bytes(self, sample, phase: str, computing: bool, params: int, baseline: Report, step_peak: int) -> int:
+    def _bytes(self, sample, kind: Phase | None, computing: bool, params: int, baseline: Report, step_peak: int) -> int:
         """This rank's peak bytes in the interval ending at ``sample`` (for the
         optimizer's sample, also in the step it starts, which peaks at ``step_peak`` when known)."""
         n = self.world_size
@@ -173,7 +176,7 @@ class ZeRO(Strategy):
         else:
             keep = 0 if self.offload else 1
             extra = sum(keep * _ceil_div(v, n) - v for v in b.values())
-        if phase == "optimizer":  # everything resharded; the step runs on the shards (on the host with offload)
+        if kind is Phase.OPTIMIZER_STEP:  # everything resharded; the step runs on the shards (on the host with offload)
             during = max(step_peak - allocated, 0)
             return allocated + extra + max(before, keep * _ceil_div(during, n))
         if self.stage >= 2 and computing:
@@ -182,8 +185,8 @@ class ZeRO(Strategy):
             if self.stage == 2:
                 extra += params
             else:  # a block is gathered while it computes; in backward the next one is prefetched
-                extra += root + (2 if in_block and phase == "backward" else 1) * block
-            if phase == "backward" and (in_block or not block):
+                extra += root + (2 if in_block and kind is Phase.BACKWARD else 1) * block
+            if kind is Phase.BACKWARD and (in_block or not block):
                 extra += block or params  # the block's gradients before their reduce-scatter
         return allocated + before + extra
 

@@ -70,3 +70,57 @@ def test_breakdown_properties():
     assert b.reserved == 5 * MiB
     assert b.named_fraction == 0.75
     assert Breakdown(0, "x", {"parameters": MiB}).reserved is None
+
+
+def test_phase_vocabulary():
+    from memprof.report import Phase, phase_kind, phase_module
+
+    assert phase_kind("forward GPT.transformer.h.3.attn") is Phase.FORWARD
+    assert phase_module("forward GPT.transformer.h.3.attn") == "GPT.transformer.h.3.attn"
+    assert phase_kind("recompute GPT.transformer.h.3") is Phase.RECOMPUTE
+    assert phase_kind("backward GPT.lm_head") is Phase.BACKWARD
+    assert phase_module("backward GPT.lm_head") == "GPT.lm_head"
+    assert phase_kind("backward") is Phase.BACKWARD and phase_module("backward") == ""
+    for kind in (Phase.LOSS, Phase.AFTER_BACKWARD, Phase.OPTIMIZER_STEP, Phase.ZERO_GRAD, Phase.BETWEEN_STEPS):
+        assert phase_kind(kind.value) is kind and phase_module(kind.value) == ""
+    assert str(Phase.OPTIMIZER_STEP) == "optimizer step"
+    assert phase_kind("other") is None and phase_kind("forward:GPT.h.0") is None and phase_kind("loss GPT") is None
+
+
+def test_module_columns(report):
+    m = report.modules
+    assert m.columns.tolist() == [
+        "type", "parameters", "buffers", "gradients", "optimizer_state", "activations", "activation_gradients",
+        "inputs", "activations_saved_over_step", "forward_peak_delta", "backward_peak_delta",
+    ]
+    # The root row is the category table at the peak, category by category.
+    for cat in memprof.report.MODULE_CATEGORIES:
+        assert m.at["Sequential", cat.value] == report.peak.bytes[cat.value], cat
+
+
+def test_module_tree_is_at_the_peak(report):
+    console = Console(width=200, record=True, color_system=None)
+    console.print(memprof.render.module_tree(report))
+    text = console.export_text()
+    assert f"modules at the peak (step {report.peak.step}, {report.peak.phase}), submodules included" in text
+    root = next(line for line in text.splitlines() if "Sequential (Sequential)" in line)
+    # The root's cells are the category table's: 2 MiB of parameters, 1 MiB of
+    # gradients (only the second Linear's, at the ReLU's backward), ...
+    cells = ("params 2.00 MiB", "grads 1.00 MiB", "optim 4.00 MiB", "activ 1.00 MiB", "act.grads 2.00 MiB", "inputs 1.00 MiB")
+    for cell in cells:
+        assert cell in root, cell
+    console = Console(width=200, record=True, color_system=None)
+    console.print(memprof.render.module_tree(report, over_step=True))
+    text = console.export_text()
+    assert "saved for backward over the step" in text
+    assert "activ saved over step 2.00 MiB" in text  # x and the ReLU's output
+    page = report.to_html()
+    assert "<h2>Modules at the peak</h2>" in page and "modules at the peak (step" in page
+
+
+def test_old_schema_is_refused(report):
+    d = report.to_dict()
+    assert d["schema"] == 2
+    d["schema"] = 1  # phases as "forward:<module>", module rows over the step
+    with pytest.raises(ValueError, match="schema 1 is not supported"):
+        Report.from_dict(d)

@@ -113,10 +113,12 @@ def test_observes_exact_bytes_and_stops_after_steps(mlp_script, capsys, clean):
     assert report.optimizer_state == {"exp_avg": 2 * MiB, "exp_avg_sq": 2 * MiB, "step": 8}
     # The model, not the MSELoss module called after it, is the root.
     assert report.modules.index[0] == "Sequential"
-    cols = ["parameters", "gradients", "optimizer_state"]
-    assert report.modules.loc["Sequential.0", cols].tolist() == [MiB, MiB, 2 * MiB + 4]
-    assert report.modules.loc["Sequential.2", cols].tolist() == [MiB, MiB, 2 * MiB + 4]
-    assert report.modules.loc["Sequential.0", "activations"] == 64 * 512 * 4  # Linear saves its input x
+    cols = ["parameters", "optimizer_state"]
+    assert report.modules.loc["Sequential.0", cols].tolist() == [MiB, 2 * MiB + 4]
+    assert report.modules.loc["Sequential.2", cols].tolist() == [MiB, 2 * MiB + 4]
+    assert report.modules.loc["Sequential", "gradients"] == peak["gradients"]  # the root row is the peak's
+    # over the step, the first Linear saved its input x
+    assert report.modules.loc["Sequential.0", "activations_saved_over_step"] == 64 * 512 * 4
     assert report.meta["observed_steps"] == 3
     assert report.meta["script_args"] == ["--steps", "50"]
 

@@ -5,10 +5,12 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import memprof
-from models import MiB, TiedLM, mlp, train
+from models import FF, MiB, TiedLM, mlp, train
 
 A = "activations"
 
@@ -33,8 +35,10 @@ def test_adamw_state_and_parameters_exact():
     # shape, and a 4-byte fp32 `step` counter per parameter (a CPU tensor here).
     assert r.optimizer_state == {"exp_avg": 2 * MiB, "exp_avg_sq": 2 * MiB, "step": 8}
     m = r.modules
-    assert m.loc["Sequential.0", ["parameters", "gradients", "optimizer_state"]].tolist() == [MiB, MiB, 2 * MiB + 4]
+    # At the peak (the ReLU's backward) only the second Linear has its gradient.
+    assert m.loc["Sequential.0", ["parameters", "gradients", "optimizer_state"]].tolist() == [MiB, 0, 2 * MiB + 4]
     assert m.loc["Sequential.2", ["parameters", "gradients", "optimizer_state"]].tolist() == [MiB, MiB, 2 * MiB + 4]
+    assert m.loc["Sequential", ["parameters", "gradients", "optimizer_state"]].tolist() == [2 * MiB, MiB, 4 * MiB + 8]
     assert m.loc["Sequential.1", "parameters"] == 0
     assert r.peak.bytes["parameters"] == 2 * MiB
     assert r.peak.bytes["optimizer_state"] == 4 * MiB + 8
@@ -44,7 +48,7 @@ def test_adamw_state_and_parameters_exact():
 def test_end_of_forward_breakdown_exact():
     r = tracked(3)
     # Last forward sample of the steady step: the root's forward has just ended.
-    end = rows(r, "forward:Sequential")[lambda d: d["step"] == 2].iloc[-1]
+    end = rows(r, "forward Sequential")[lambda d: d["step"] == 2].iloc[-1]
     assert end["parameters"] == 2 * MiB
     assert end["inputs"] == MiB  # x: 512x512 fp32
     assert end[A] == MiB  # ReLU's output, saved by ReLU and by the second Linear
@@ -55,24 +59,31 @@ def test_end_of_forward_breakdown_exact():
 
 def test_gradients_exact_when_optimizer_starts():
     r = tracked(2)
-    opt_rows = rows(r, "optimizer")
-    assert (opt_rows["gradients"] == 2 * MiB).all()
-    assert r.modules["gradients"].sum() == 2 * MiB
+    opt_rows = rows(r, "optimizer step")
+    assert len(opt_rows) == 2 and (opt_rows["gradients"] == 2 * MiB).all()
 
 
 def test_linear_saves_its_input():
     r = tracked(2)
-    # Each Linear's own ops save its input (x, then ReLU's output): 1 MiB each.
-    assert r.modules.loc["Sequential.0", A] == MiB
-    assert r.modules.loc["Sequential.2", A] == MiB
-    assert r.modules.loc["Sequential.1", A] == MiB  # ReLU saves its output
+    over = r.modules["activations_saved_over_step"]
+    # Over the step, each Linear's own ops save its input (x, then ReLU's
+    # output): 1 MiB each; the ReLU saves its output. The root counts each
+    # storage once: x and the ReLU's output.
+    assert over.to_dict() == {"Sequential": 2 * MiB, "Sequential.0": MiB, "Sequential.1": MiB, "Sequential.2": MiB}
+    # Live at the peak, the ReLU's output belongs to the ReLU, which saved it
+    # first; x is an input (the root's).
+    at_peak = r.modules[[A, "inputs"]]
+    assert at_peak.loc["Sequential"].tolist() == [MiB, MiB]
+    assert at_peak.loc["Sequential.0"].tolist() == [0, 0]
+    assert at_peak.loc["Sequential.1"].tolist() == [MiB, 0]
+    assert at_peak.loc["Sequential.2"].tolist() == [0, 0]
 
 
 def test_views_share_one_storage():
     base = torch.randn(512, 1024)
     x = base[:, :512]  # a view: its storage is base's 2 MiB
     r = tracked(2, x=x)
-    end = rows(r, "forward:Sequential")[lambda d: d["step"] == 1].iloc[-1]
+    end = rows(r, "forward Sequential")[lambda d: d["step"] == 1].iloc[-1]
     assert end["inputs"] == 2 * MiB  # the whole storage, counted once
 
 
@@ -85,10 +96,11 @@ def test_tied_weights_counted_once():
     r = prof.report()
     # embed/head weight 256x1024 fp32 = 1 MiB (once), proj 1024x1024 = 4 MiB.
     assert r.peak.bytes["parameters"] == 5 * MiB
-    assert r.modules["parameters"].sum() == 5 * MiB
+    assert r.modules.loc["TiedLM", "parameters"] == 5 * MiB
     assert r.modules.loc["TiedLM.embed", "parameters"] == MiB
     assert r.modules.loc["TiedLM.head", "parameters"] == 0
-    assert r.modules["gradients"].sum() == 5 * MiB
+    assert r.modules.loc["TiedLM.proj", "parameters"] == 4 * MiB
+    assert (rows(r, "optimizer step")["gradients"] == 5 * MiB).all()  # the tied weight's gradient once
 
 
 @pytest.mark.parametrize("steps", [2, 3, 10])
@@ -289,8 +301,9 @@ def test_closure_optimizer_phase_after_backward():
     assert isinstance(loss, torch.Tensor)
     for _, s in r.timeline.groupby("step"):
         phases = s["phase"].tolist()
-        # 'optimizer' is the interval closed by the 'end' sample, after every forward/backward phase
-        assert phases.index("optimizer") == len(phases) - 1
+        # the optimizer step is the interval the step's last sample closes, after every forward/backward phase
+        assert phases.index("optimizer step") == len(phases) - 1
+        assert phases[-2] == "after backward"
         assert s["gradients"].iloc[-1] == 2 * MiB
 
 
@@ -304,3 +317,280 @@ def test_last_peak_and_collected_model():
     with pytest.raises(RuntimeError, match="garbage-collected"):
         with memprof.track(nn.Linear(2, 2)):
             pass
+
+
+# -- the module table at the peak, and the phases ------------------------------
+AT_PEAK = [c.value for c in memprof.report.MODULE_CATEGORIES]
+
+
+def assert_adds_up(r):
+    """The root row is the category table at the peak, and no row holds less
+    than its children together (a row includes its submodules)."""
+    m = r.modules
+    root = m.index[0]
+    assert m.loc[root, AT_PEAK].tolist() == [r.peak.bytes[c] for c in AT_PEAK]
+    for name in m.index:
+        children = [n for n in m.index if n.rpartition(".")[0] == name]
+        if children:
+            assert (m.loc[children, AT_PEAK].sum() <= m.loc[name, AT_PEAK]).all(), name
+
+
+def test_root_row_is_the_peak_exactly():
+    r = tracked(3)
+    # The peak: the ReLU's backward has just produced dL/d(first Linear's
+    # output) while dL/d(ReLU's output) and the ReLU's saved output are alive,
+    # after the second Linear's weight gradient.
+    assert r.peak.phase == "backward Sequential.1"
+    assert r.peak.bytes == {
+        "parameters": 2 * MiB, "buffers": 0, "gradients": MiB, "optimizer_state": 4 * MiB + 8,
+        "activations": MiB, "activation_gradients": 2 * MiB, "inputs": MiB, "temporaries": 0,
+    }
+    assert_adds_up(r)
+    m = r.modules
+    assert m.loc["Sequential.1", [A, "activation_gradients"]].tolist() == [MiB, MiB]
+    assert m.loc["Sequential.2", ["gradients", "activation_gradients"]].tolist() == [MiB, MiB]
+    # What the root's own code holds: the input; the children hold the rest.
+    own = m.loc["Sequential", AT_PEAK] - m.loc[["Sequential.0", "Sequential.1", "Sequential.2"], AT_PEAK].sum()
+    assert own.to_dict() == {c: MiB if c == "inputs" else 0 for c in AT_PEAK}
+
+
+class Stack(nn.Module):
+    """Three residual FF blocks and a head: a transformer's layout in small."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(FF() for _ in range(3))
+        self.head = nn.Linear(256, 64, bias=False)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return self.head(x)
+
+
+def tracked_stack(micro_batches: int, checkpointed: bool = False, steps: int = 3):
+    model = Stack(checkpointed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.track(model) as prof:
+        for _ in range(steps):
+            for _ in range(micro_batches):
+                model(torch.randn(256, 256)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return prof.report()
+
+
+KiB = 1024
+BLOCKS = [f"Stack.blocks.{i}" for i in range(3)]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 4])
+def test_module_rows_at_peak_with_accumulation(micro_batches):
+    r = tracked_stack(micro_batches)
+    assert_adds_up(r)
+    m = r.modules
+    # A ModuleList runs no code of its own: its row is its blocks' rows.
+    assert m.loc[BLOCKS, AT_PEAK].sum().tolist() == m.loc["Stack.blocks", AT_PEAK].tolist()
+    for block in BLOCKS:
+        parts = [f"{block}.fc1", f"{block}.act", f"{block}.fc2"]
+        assert m.loc[parts, AT_PEAK].sum().tolist() == m.loc[block, AT_PEAK].tolist()
+    # A micro-batch of 256 rows: a block's hidden ReLU output is 256x1024 fp32
+    # = 1 MiB, a block's output 256x256 = 256 KiB. Over the step every
+    # micro-batch adds its own: per forward x, three ReLU outputs and the
+    # inputs of blocks 1, 2 and the head.
+    over = m["activations_saved_over_step"]
+    assert over["Stack"] == micro_batches * (3 * MiB + 4 * 256 * KiB)
+    assert over["Stack.blocks.0.act"] == micro_batches * MiB
+    assert m.loc["Stack", "inputs"] == 256 * KiB
+    if micro_batches == 1:
+        return  # the gradients grow through backward: the peak is late in it
+    # From the second micro-batch on the gradients are whole from the start,
+    # and the peak falls in the last block's backward, where one micro-batch's
+    # activations are live: three ReLU outputs and the inputs of blocks 1 and
+    # 2 (the last block's output, saved by the head, is freed by then).
+    assert r.peak.phase == "backward Stack.blocks.2.fc2"
+    assert r.peak.bytes["gradients"] == m.loc["Stack", "parameters"]
+    assert r.peak.bytes[A] == 3 * MiB + 2 * 256 * KiB
+    assert m.loc["Stack.blocks.1", A] == MiB + 256 * KiB  # its ReLU's output and its input, which its fc1 saved first
+    assert m.loc["Stack.blocks.0", A] == MiB  # its input is x, the model's input
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2, 4])
+def test_module_rows_at_peak_with_checkpointing(micro_batches):
+    r = tracked_stack(micro_batches, checkpointed=True)
+    assert_adds_up(r)
+    m = r.modules
+    assert m.loc[BLOCKS, AT_PEAK].sum().tolist() == m.loc["Stack.blocks", AT_PEAK].tolist()
+    # The recomputed forward is named as such, inside backward.
+    phases = set(r.timeline["phase"])
+    assert {"recompute Stack.blocks.0.act", "recompute Stack.blocks.2.fc1"} <= phases
+    # Recomputation saves again: over the step each block's ReLU output counts once per micro-batch.
+    assert m.loc["Stack.blocks.0.act", "activations_saved_over_step"] == micro_batches * MiB
+    if micro_batches == 1:
+        return
+    # At the peak (the last block's backward): the checkpoints' saved inputs of
+    # blocks 1 and 2 (256 KiB each, saved while Stack's own forward ran), and
+    # the last block's recomputed ReLU output (1 MiB); no other block's.
+    assert r.peak.phase == "backward Stack.blocks.2.fc2"
+    assert r.peak.bytes[A] == MiB + 2 * 256 * KiB
+    assert m.loc["Stack.blocks.2.act", A] == MiB
+    assert m.loc["Stack.blocks.0", A] == m.loc["Stack.blocks.1", A] == 0
+    assert m.loc["Stack", A] - m.loc["Stack.blocks", A] - m.loc["Stack.head", A] == 2 * 256 * KiB
+
+
+def test_two_modules_saving_one_storage():
+    """A ReLU's output is saved by the ReLU and by the next Linear: live, it is
+    the ReLU's (the first to save it); over the step, each module's row counts
+    it, and their parent's once."""
+    r = tracked(2)
+    m = r.modules
+    assert m.loc["Sequential.1", A] == MiB and m.loc["Sequential.2", A] == 0
+    over = m["activations_saved_over_step"]
+    assert over["Sequential.1"] == over["Sequential.2"] == MiB
+    assert over["Sequential"] == 2 * MiB  # x and the ReLU's output
+
+
+def test_phases_of_a_step():
+    r = tracked(3)
+    s = r.timeline[r.timeline["step"] == 2]
+    kinds = []
+    for p in s["phase"]:
+        kind = memprof.report.phase_kind(p)
+        assert kind is not None, p
+        if not kinds or kinds[-1] != kind:
+            kinds.append(kind)
+    P = memprof.report.Phase
+    # zero_grad() ran after the previous step's optimizer step, so at the start of this one.
+    assert kinds == [
+        P.BETWEEN_STEPS, P.ZERO_GRAD, P.BETWEEN_STEPS, P.FORWARD, P.LOSS, P.BACKWARD, P.AFTER_BACKWARD, P.OPTIMIZER_STEP
+    ]
+    modules = {memprof.report.phase_module(p) for p in s["phase"]}
+    assert modules == {"", "Sequential", "Sequential.0", "Sequential.1", "Sequential.2"}
+
+
+def test_peak_in_forward_of_a_module():
+    """Without backward (an evaluation pass with autograd on), the saved tensors
+    pile up to the end of forward: the peak is the ReLU's save."""
+    model = mlp()
+    with memprof.track(model) as prof:
+        model(torch.randn(512, 512)).sum()
+    r = prof.report()
+    assert r.peak.phase == "forward Sequential.1"
+    assert r.peak.bytes[A] == MiB and r.peak.bytes["inputs"] == MiB
+
+
+def test_peak_in_optimizer_step():
+    """Adam creates its state in its first step: with no activations to speak
+    of (one row of input), that step is the peak."""
+    model = nn.Linear(512, 512, bias=False)
+    opt = torch.optim.Adam(model.parameters())
+    with memprof.track(model) as prof:
+        model(torch.randn(1, 512)).sum().backward()
+        opt.step()
+    r = prof.report()
+    assert r.peak.phase == "optimizer step"
+    assert r.peak.bytes == {
+        "parameters": MiB, "buffers": 0, "gradients": MiB, "optimizer_state": 2 * MiB + 4,
+        "activations": 0, "activation_gradients": 0, "inputs": 0, "temporaries": 0,  # the input is gone by then
+    }
+    assert_adds_up(r)
+
+
+def _simulated(setup, steps=2):
+    return memprof.simulate(setup, target="h100", steps=steps)
+
+
+def test_peak_in_loss_outside_the_model():
+    """A cross-entropy over 32 MiB of logits, computed after the model returns:
+    its softmax and the logits' gradient make the peak (a simulated GPU sees
+    every allocation, unlike the CPU's ledger)."""
+
+    def setup():
+        model = nn.Linear(64, 8192, bias=False).cuda()  # 2 MiB of weight
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(1024, 64, device="cuda")  # 256 KiB
+        y = torch.randint(0, 8192, (1024,), device="cuda")
+
+        def step():
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+        return model, opt, step
+
+    r = _simulated(setup)
+    assert r.peak.phase == "loss"
+    assert r.peak.bytes["parameters"] == 2 * MiB and r.peak.bytes["inputs"] == 256 * KiB
+    assert r.peak.bytes["temporaries"] >= 3 * 32 * MiB  # logits, their log-softmax, its gradient
+    assert_adds_up(r)
+
+
+def test_peak_in_optimizer_step_simulated():
+    """Adam's foreach temporaries (CUDA's default) on a 4 MiB weight and a
+    one-row batch: the steady step peaks inside optimizer.step()."""
+
+    def setup():
+        model = nn.Linear(1024, 1024, bias=False).cuda()
+        opt = torch.optim.Adam(model.parameters())
+        x = torch.randn(1, 1024, device="cuda")
+
+        def step():
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        return model, opt, step
+
+    r = _simulated(setup, steps=3)
+    assert r.peak.phase == "optimizer step" and r.peak.step == 2
+    assert [r.peak.bytes[c] for c in ("parameters", "gradients", "optimizer_state")] == [4 * MiB, 4 * MiB, 8 * MiB]
+    assert_adds_up(r)
+
+
+def test_zero_grad_wrapper_is_gone_and_class_wide_only_for_tracked():
+    model, other = mlp(), mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    other_opt = torch.optim.AdamW(other.parameters())
+    before = (vars(nn.Sequential).get("zero_grad"), vars(torch.optim.AdamW).get("zero_grad"))
+    with memprof.track(model, opt) as prof:
+        train(model, opt, torch.randn(512, 512), 2)
+        other(torch.randn(4, 512)).sum().backward()
+        other_opt.zero_grad()  # another instance of the same classes: not a phase
+        other.zero_grad()
+    assert (vars(nn.Sequential).get("zero_grad"), vars(torch.optim.AdamW).get("zero_grad")) == before
+    assert "zero_grad" not in vars(model) and "zero_grad" not in vars(opt)
+    # After step 0's optimizer step, so in step 1; the one after step 1's opens
+    # a step that no optimizer step ends, whose samples the timeline leaves out.
+    # The other instances' calls are not phases.
+    r = prof.report()
+    assert (r.timeline["phase"] == "zero_grad").sum() == 1
+    assert sorted(set(r.timeline["step"])) == [0, 1]
+
+
+def test_ledger_rebuilds_modules_at_a_mark():
+    """The module table at an earlier moment: every change after the mark
+    (added, moved to another category, resized, freed) is undone exactly."""
+    from memprof.categories import Category as C
+    from memprof.ledger import Ledger
+
+    led = Ledger()
+    a, b, c = torch.zeros(256), torch.zeros(512), torch.zeros(1024)  # 1, 2 and 4 KiB
+    led.add(a.untyped_storage(), C.PARAMETERS, "M.a")
+    led.open_journal()
+    led.add(b.untyped_storage(), C.ACTIVATIONS, "M.b")
+    mark = led.mark()
+    before = led.by_module()
+    totals = led.snapshot()
+    led.add(c.untyped_storage(), C.ACTIVATIONS, "M.c")
+    led.add(b.untyped_storage(), C.ACTIVATION_GRADIENTS, "M.c", replace=True)
+    c.untyped_storage().resize_(8 * KiB)
+    led.resize(c.untyped_storage())
+    del b
+    gc.collect()
+    assert led.by_module() == {("M.a", C.PARAMETERS): KiB, ("M.c", C.ACTIVATIONS): 8 * KiB}
+    assert led.by_module(mark) == before == {("M.a", C.PARAMETERS): KiB, ("M.b", C.ACTIVATIONS): 2 * KiB}
+    assert {cat: sum(v for (_, k), v in before.items() if k is cat) for cat in totals} == totals
+    led.close_journal()
+    assert led.mark() == 0

@@ -47,9 +47,11 @@ def test_fsdp2_shards_are_attributed_per_rank(eight_ranks):
             opt.zero_grad()
     r = prof.report()
     # ZeRO-3 over 8 ranks: each rank keeps 1/8 of parameters, gradients and Adam's m and v.
-    assert r.modules["parameters"].sum() == 16 * MiB // 8
+    step = r.timeline[r.timeline["phase"] == "optimizer step"]  # every unit resharded
+    assert (step["parameters"] == 16 * MiB // 8).all()
     assert r.optimizer_state["exp_avg"] == r.optimizer_state["exp_avg_sq"] == 16 * MiB // 8
-    assert r.modules["gradients"].sum() == 16 * MiB // 8
+    assert (step["gradients"] == 16 * MiB // 8).all()
+    assert r.modules.at["FSDPSequential", "parameters"] == r.peak.bytes["parameters"]  # with the gathered units
     # FSDP frees each block's gathered weights after its forward (resize in place):
     # the 16 MiB of unsharded weights never count as activations.
     assert r.peak.bytes["activations"] < 4 * MiB
@@ -123,12 +125,13 @@ def test_fsdp_units_and_block_phases():
     units = fsdp_units(model)
     # Three FF blocks of 2 MiB; the first Linear (256 KiB) belongs to the root unit.
     assert units == {"blocks": ["1.0", "1.1", "1.2"], "largest_block_bytes": 2 * MiB, "root_bytes": 256 * 1024}
-    assert _in_block("backward:Sequential.1.2.fc1", units["blocks"])
-    assert _in_block("forward:Sequential.1.0", units["blocks"])
-    assert not _in_block("forward:Sequential.1", units["blocks"])
-    assert not _in_block("forward:Sequential.0", units["blocks"])
-    assert not _in_block("backward:Sequential", units["blocks"])
-    assert not _in_block("optimizer", units["blocks"])
+    assert _in_block("backward Sequential.1.2.fc1", units["blocks"])
+    assert _in_block("forward Sequential.1.0", units["blocks"])
+    assert _in_block("recompute Sequential.1.0.fc1", units["blocks"])
+    assert not _in_block("forward Sequential.1", units["blocks"])
+    assert not _in_block("forward Sequential.0", units["blocks"])
+    assert not _in_block("backward Sequential", units["blocks"])
+    assert not _in_block("optimizer step", units["blocks"])
     assert fsdp_units(nn.Linear(4, 4, bias=False)) == {"blocks": [], "largest_block_bytes": 0, "root_bytes": 64}
 
 
