@@ -44,6 +44,10 @@ def _hf(model: str, batch: int, seq: int, device: str):
     if model == "gpt2":
         cfg = transformers.GPT2Config()
         net = transformers.GPT2LMHeadModel(cfg)
+    elif model == "bert":  # BERT-base, masked-language-model head; every token a label
+        cfg = transformers.BertConfig()
+        cfg._attn_implementation = "sdpa"
+        net = transformers.BertForMaskedLM(cfg)
     else:  # Llama-style decoder, 0.50 B parameters, SDPA attention
         cfg = transformers.LlamaConfig(
             hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
@@ -57,7 +61,8 @@ def _hf(model: str, batch: int, seq: int, device: str):
         ids = torch.randint(0, vocab, (b, seq), device=device)
         return dict(input_ids=ids, labels=ids)
 
-    return net, data, batch, (lambda m: m.transformer.h) if model == "gpt2" else (lambda m: m.model.layers)
+    blocks = {"gpt2": lambda m: m.transformer.h, "bert": lambda m: m.bert.encoder.layer}.get(model, lambda m: m.model.layers)
+    return net, data, batch, blocks
 
 
 def _vision(model: str, batch: int, device: str):
@@ -84,15 +89,21 @@ class DeepMLP(nn.Module):
         return self.head(self.layers(x))
 
 
-def _parts(model: str, device: str):
-    """(module, data(batch_size) -> batch, batch size, repeated blocks or None, loss_of(module, batch))."""
-    if model in ("gpt2", "llama"):
-        net, data, batch, blocks = _hf(model, *((16, 1024) if model == "gpt2" else (4, 2048)), device)
+_SIZES = {"gpt2": (16, 1024), "llama": (4, 2048), "bert": (32, 512), "vit_b_16": (128,), "resnet50": (128,), "deep_mlp": (64,)}
+
+
+def _parts(model: str, device: str, size: tuple | None = None):
+    """(module, data(batch_size) -> batch, batch size, repeated blocks or None, loss_of(module, batch)).
+
+    ``size``: (batch, sequence) for the language models, (batch,) for the others; default the suite's."""
+    size = size or _SIZES[model]
+    if model in ("gpt2", "llama", "bert"):
+        net, data, batch, blocks = _hf(model, *size, device)
         return net, data, batch, blocks, lambda m, d: m(**d).loss
     if model in ("vit_b_16", "resnet50"):
-        net, data, batch, blocks = _vision(model, 128, device)
+        net, data, batch, blocks = _vision(model, size[0], device)
     else:
-        net, batch, blocks = DeepMLP(), 64, (lambda m: m.layers)
+        net, batch, blocks = DeepMLP(), size[0], (lambda m: m.layers)
 
         def data(b):
             return dict(x=torch.randn(b, 4096, device=device), y=torch.randint(0, 10, (b,), device=device))
@@ -100,12 +111,12 @@ def _parts(model: str, device: str):
     return net, data, batch, blocks, lambda m, d: nn.functional.cross_entropy(m(d["x"]), d["y"])
 
 
-def workload(model: str, device: str = "cuda"):
-    """``model`` at its suite batch size, fp32, AdamW, as a memprof Workload for the advisor."""
+def workload(model: str, device: str = "cuda", size: tuple | None = None):
+    """``model`` at its suite batch size (or ``size``), fp32, AdamW, as a memprof Workload for the advisor."""
     from memprof.workload import Workload
 
     torch.manual_seed(0)
-    net, data, batch, _, loss_of = _parts(model, device)
+    net, data, batch, _, loss_of = _parts(model, device, size)
     net = net.to(device)
     return Workload(net, torch.optim.AdamW(net.parameters(), lr=1e-4), data(batch), loss_of)
 

@@ -487,9 +487,9 @@ def plan_table(advice: "Advice", table: pd.DataFrame | None = None, where: str |
     table = advice.table if table is None else table
     base = advice.table.loc["baseline"] if "baseline" in advice.table.index else None
     where = where or advice.gpu.name
-    t = Table(title=f"plans for {fmt_bytes(advice.budget)} per rank on {where}, {advice.world_size} rank(s): "
-                    "fastest that fits first", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
-              show_edge=False)
+    t = Table(title=f"plans for {fmt_bytes(advice.budget)} per rank on {where}, {advice.world_size} rank(s)",
+              caption="fastest that fits first; saves: peak reserved below the baseline (the step as it is)", title_justify="left",
+              caption_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), show_edge=False)
     t.add_column("plan", no_wrap=True)
     for col in ("peak\nreserved", "saves\nvs now", "fits", "step\ntime", "vs\nnow"):
         t.add_column(col, justify="right", no_wrap=True)

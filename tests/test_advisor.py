@@ -11,6 +11,7 @@ from memprof.advisor import Advice, advise, default_plans, max_batch_size, parse
 from memprof.devices import CATALOGUE, get_gpu
 from memprof.simulate import NON_PYTORCH_BYTES
 from memprof.strategies import Autocast, Checkpointing, ZeRO
+from memprof.units import fmt_bytes
 from memprof.workload import Workload
 from models import FF, MiB, mlp
 
@@ -161,16 +162,19 @@ def test_advise_margin_is_applied(predictions):
 
 
 def test_advise_renders_with_rich(advice):
-    console = Console(record=True, width=250)
+    console = Console(record=True, width=80)
     console.print(advice)
     text = console.export_text()
     assert "fastest that fits first" in text and "H100-80GB" in text
-    for col in ("plan", "peak allocated", "peak reserved", "fits", "step time", "vs baseline", "why"):
+    for col in ("plan", "reserved", "saves", "vs now", "fits", "step", "time"):
         assert col in text
-    lines = {line.split("│")[1].strip(): line for line in text.splitlines() if line.count("│") > 2}
-    assert set(lines) == set(advice.table.index)
-    assert "│ yes" in lines[advice.best] and "│ no" in lines["baseline"]
-    assert "+0 %" in lines["baseline"]
+    lines = {line.split()[0]: line for line in text.splitlines() if line.split() and line.split()[0] in advice.table.index}
+    assert set(lines) == set(advice.table.index)  # every plan name whole in 80 columns
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert " yes " in lines[advice.best] and " no " in lines["baseline"] and lines["baseline"].rstrip().endswith("+0%")
+    base = advice.table.loc["baseline", "peak_reserved"]
+    best = advice.table.loc[advice.best, "peak_reserved"]
+    assert f"{fmt_bytes(base - best)} {100 * (1 - best / base):.0f}%" in lines[advice.best]  # the saving vs now
 
 
 def test_advise_skips_plans_that_cannot_run(caplog):
