@@ -268,19 +268,19 @@ def _plan_counters(w: Workload, allocator, steps: int) -> tuple[int, int, float]
     from .simulate import replay_step
 
     allocator.reset_peak()
-    allocator.events, start = [], allocator.seconds
+    allocator.events, start = [], allocator.clock()
     try:
         w.step()
     finally:
         events, allocator.events = allocator.events, None
-    derived = replay_step(allocator.model, events, allocator.seconds - start) if steps > 1 else None
+    derived = replay_step(allocator.model, events, allocator.time_model.host_per_op) if steps > 1 else None
     if derived is not None:
         return derived
     for _ in range(steps - 1):
         allocator.reset_peak()
-        start = allocator.seconds
+        start = allocator.clock()
         w.step()
-    return allocator.model.peak_allocated, allocator.model.peak_reserved, allocator.seconds - start
+    return allocator.model.peak_allocated, allocator.model.peak_reserved, allocator.clock() - start
 
 
 def _restart(w: Workload, allocator, built) -> None:

@@ -270,7 +270,7 @@ class _Schedule:
         self.units: dict = {}
         self._stack = ExitStack()
         self._current: str | None = None
-        self._done, self._start = 0, 0.0
+        self._done = 0
         self._advanced: set[str] = set()
 
     def pending(self) -> list[str]:
@@ -299,8 +299,7 @@ class _Schedule:
         if allocator is not None:
             events, allocator.events = allocator.events, []
             if self._done == 1 and self.steps > 1 and key and key not in self.sampled:
-                derived = replay_step(allocator.model, events, allocator.seconds - self._start)
-            self._start = allocator.seconds
+                derived = replay_step(allocator.model, events, allocator.time_model.host_per_op)
         if self._done < self.steps and derived is None:
             return True
         self.steps_of[key] = (tracker.step - 1, derived)
@@ -387,7 +386,7 @@ class _Schedule:
             torch.cuda.empty_cache()
             allocator = self._allocator()
             if allocator is not None:
-                allocator.events, self._start = [], allocator.seconds
+                allocator.events = []
             return True
         return False
 

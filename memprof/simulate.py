@@ -53,20 +53,29 @@ _HALF = (torch.float16, torch.bfloat16)
 
 @dataclass
 class TimeModel:
-    """Roofline time of one operator on the target: the larger of its
+    """Step time as two clocks, the host's and the device's.
+
+    The host issues every operator of the step, one after another, at a
+    fixed cost each (``host_per_op``: Python, autograd and PyTorch's eager
+    dispatch); the device runs a kernel once it is issued and the previous
+    kernel is done. A kernel's device time is its roofline: the larger of its
     arithmetic at the dtype's tensor-core rate and its bytes (inputs read
     once, outputs written once) at memory bandwidth, each at an achievable
-    fraction of the datasheet, plus a fixed cost per kernel (launch and
-    PyTorch's eager dispatch). The constants were fitted to the 25 step
-    times measured in the accuracy suite on an H200: median |error| 5.3 %,
-    worst 42 % (ResNet-50 in bf16, where the model is 40 % fast);
-    benchmarks/results/timing-fit.json."""
+    fraction of the datasheet, plus a fixed gap per kernel (``per_kernel``).
+    A step ends when both are done (``memprof.track`` and ``verify`` time
+    steps between synchronisations). So a step of large kernels costs their
+    rooflines, and a step of small ones (small micro-batches, recomputation)
+    costs what the host needs to issue them. Constants fitted to 90 plans of
+    5 workloads measured on an H200 and checked on 4 others:
+    benchmarks/results/step-time.md."""
 
     flop_efficiency: float = 0.85
     bandwidth_efficiency: float = 0.4
     per_kernel: float = 6e-6
+    host_per_op: float = 0.0
 
     def seconds(self, gpu: GPU, flops: int, nbytes: int, dtype: torch.dtype | None, tf32: bool = False) -> float:
+        """One kernel's device time."""
         half = gpu.bf16_tflops or gpu.fp16_tflops or gpu.fp32_tflops
         if dtype in _HALF:
             rate = half
@@ -108,23 +117,51 @@ class SimulatedAllocator(TorchDispatchMode):
         self.gpu = gpu
         self.model = CachingAllocatorModel(capacity)
         self.time_model = time_model or TimeModel()
-        #: Simulated seconds of device work so far, and what they are made of.
-        self.seconds = 0.0
+        #: The host's and the device's clocks (simulated seconds; see TimeModel).
+        self.host = self.device = 0.0
+        #: What the device's work is made of.
         self.flops = 0
         self.bytes_moved = 0
         self.kernels = 0
-        #: When a list, every kernel's (flops, bytes, precision: 2 half, 1 tf32, 0 fp32) is appended.
-        self.trace: list[tuple[int, int, bool]] | None = None
-        #: When a list, allocation events are appended: ``("m", handle, bytes)``,
-        #: ``("f", handle)`` and ``("k", seconds, handles)`` for a kernel and the
-        #: handles of the outputs it allocated (see :func:`replay_step`).
+        #: When a list, every device operator's (flops, bytes, precision: 2 half, 1 tf32, 0 fp32,
+        #: -1 for an operator that launches no kernel, -2 for a host-device transfer) is appended.
+        self.trace: list[tuple[int, int, int]] | None = None
+        #: When a list, allocation and time events are appended: ``("m", handle,
+        #: bytes)``, ``("f", handle)``, ``("k", seconds, handles)`` for a kernel
+        #: (its device time, the handles of the outputs it allocated), ``("o",)``
+        #: for an operator without a kernel, ``("t", seconds)`` for a transfer and
+        #: ``("c", seconds)`` for time charged to both clocks (see :func:`replay_step`).
         self.events: list[tuple] | None = None
         self._handles: dict[weakref.ref, int] = {}
         self._workspace: int | None = None
 
+    @property
+    def seconds(self) -> float:
+        """Simulated time: when both the host and the device are done."""
+        return max(self.host, self.device)
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        # Time charged to the step as a whole (repeated micro-batches): both clocks move.
+        delta = value - self.seconds
+        self.host += delta
+        self.device += delta
+        if self.events is not None:
+            self.events.append(("c", delta))
+
     def clock(self) -> float:
-        """Simulated time: memprof.track times steps with it."""
-        return self.seconds
+        """Simulated time, after a synchronisation: memprof.track times steps with it."""
+        self.host = self.device = self.seconds
+        return self.host
+
+    def transfer(self, nbytes: int, bandwidth: float) -> None:
+        """A copy between host and device of ``nbytes`` at ``bandwidth`` bytes/s, on the device's clock."""
+        seconds = nbytes / bandwidth
+        self.device = max(self.device, self.host) + seconds
+        if self.events is not None:
+            self.events.append(("t", seconds))
+        if self.trace is not None:
+            self.trace.append((0, nbytes, -2))
 
     # -- the counters memprof.track reads --------------------------------------
     def read(self) -> Counters:
@@ -190,66 +227,82 @@ class SimulatedAllocator(TorchDispatchMode):
             # Taken at the first matrix product and kept for the process's life.
             self._workspace = self._malloc(cublas_workspace_bytes(self.gpu))
         made = [self._allocate(t.untyped_storage()) for t in tensors(out) if t.is_meta]
-        if cost is not None:
-            flops, nbytes, dtype, conv = cost
-            tf32 = conv and torch.backends.cudnn.allow_tf32
-            seconds = self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32)
-            self.seconds += seconds
+        if cost is None:  # the host's own work (a data pipeline): no simulated time
+            return out
+        flops, nbytes, dtype, conv, kernel = cost
+        self.host += self.time_model.host_per_op
+        if not kernel:
             if self.events is not None:
-                self.events.append(("k", seconds, [h for h in made if h is not None]))
-            self.flops += flops
-            self.bytes_moved += nbytes
-            self.kernels += 1
+                self.events.append(("o",))
             if self.trace is not None:
-                self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0)))
+                self.trace.append((0, 0, -1))
+            return out
+        tf32 = conv and torch.backends.cudnn.allow_tf32
+        seconds = self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32)
+        self.device = max(self.device, self.host) + seconds
+        if self.events is not None:
+            self.events.append(("k", seconds, [h for h in made if h is not None]))
+        self.flops += flops
+        self.bytes_moved += nbytes
+        self.kernels += 1
+        if self.trace is not None:
+            self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0)))
         return out
 
 
-def replay_step(model: CachingAllocatorModel, events: list[tuple], seconds: float) -> tuple[int, int, float] | None:
-    """The step after a simulated one, from its allocation ``events`` alone.
+def replay_step(model: CachingAllocatorModel, events: list[tuple], host_per_op: float) -> tuple[int, int, float] | None:
+    """The step after a simulated one, from its ``events`` alone.
 
     A training step's second run does what its first did, less what the
     first made for good: the optimizer's state, cuBLAS's workspace (the
     blocks the first run allocated and never freed). So the first run's
     events, without those, replayed on the allocator ``model`` as it stands
-    after the first run, give the second run's counters; and its time is the
-    first's, less the kernels that only made such blocks. Returns the peak
+    after the first run, give the second run's counters, and its time is
+    that of the first run's operators less the kernels that only made such
+    blocks, on the two clocks of :class:`TimeModel`. Returns the peak
     allocated and reserved bytes and the seconds of the second run, or None
-    where the events are not a step that repeats: one that frees a block
-    made before it, or that does not end where it began.
+    where the events are not a step that repeats: one that frees a block made
+    before it.
     """
     made = {e[1] for e in events if e[0] == "m"}
     kept = made - {e[1] for e in events if e[0] == "f"}
-    start = model.allocated
     model.reset_peak()
     handles: dict[int, int] = {}
+    host = device = 0.0
     for e in events:
-        if e[0] == "m":
+        kind = e[0]
+        if kind == "m":
             if e[1] not in kept:
                 handles[e[1]] = model.malloc(e[2])
-        elif e[0] == "f":
+        elif kind == "f":
             if e[1] not in handles:
                 return None  # a block from before the step: the second run frees another one
             model.free(handles.pop(e[1]))
-        elif e[2] and all(h in kept for h in e[2]):
-            seconds -= e[1]
-    if model.allocated != start:
-        return None
-    return model.peak_allocated, model.peak_reserved, seconds
+        elif kind == "k":
+            if not (e[2] and all(h in kept for h in e[2])):
+                host += host_per_op
+                device = max(device, host) + e[1]
+        elif kind == "o":
+            host += host_per_op
+        elif kind == "t":
+            device = max(device, host) + e[1]
+        else:  # "c": charged to both clocks
+            host = device = max(host, device) + e[1]
+    return model.peak_allocated, model.peak_reserved, max(host, device)
 
 
 def _cost(func, args: tuple, kwargs: dict, out: Any):
-    """A kernel's (flops, bytes read and written, input dtype, is a convolution), or
-    None for an operator that launches no kernel on the device."""
-    if getattr(func, "is_view", False) or func.__name__.split(".")[0] in _NO_KERNEL:
-        return None
+    """A device operator's (flops, bytes read and written, input dtype, is a
+    convolution, launches a kernel), or None for the host's own work."""
     ins, outs = tensors(args, kwargs), tensors(out)
-    # Only the device's work takes device time: the host's own tensors (a data pipeline) do not.
+    # Only the device's work takes simulated time: the host's own tensors (a data pipeline) do not.
     if not (any(t.is_meta for t in outs) or any(t.is_meta for t in ins)):
         return None
+    if getattr(func, "is_view", False) or func.__name__.split(".")[0] in _NO_KERNEL:
+        return 0, 0, None, False, False
     nbytes = sum(t.numel() * t.element_size() for t in (*ins, *outs))
     dtype = next((t.dtype for t in ins if t.is_floating_point()), None)
-    return _flops(func, args, kwargs, out), nbytes, dtype, "convolution" in func.__name__
+    return _flops(func, args, kwargs, out), nbytes, dtype, "convolution" in func.__name__, True
 
 
 #: Meta kernels' results by signature, shared by every simulation in the process.

@@ -40,7 +40,7 @@ class ActivationOffload(Strategy):
 
         def transfer(nbytes: int) -> None:
             if alloc is not None:
-                alloc.seconds += nbytes / link
+                alloc.transfer(nbytes, link)
 
         def pack(t: torch.Tensor):
             if not t.is_meta:

@@ -45,3 +45,14 @@ def test_host_work_is_left_alone():
         x = torch.arange(6).reshape(2, 3)
         assert x[x > 2].tolist() == [3, 4, 5]
     assert values._shadows == {}
+
+
+def test_an_output_whose_elements_share_memory_gets_no_shadow():
+    """An empty tensor made with a zero stride (an expanded layout, as activation offload
+    restores one) cannot hold one value per element: it is simply not followed."""
+    from memprof.devices import get_gpu
+    from memprof.virtual_cuda import VirtualCUDA
+
+    with VirtualCUDA(get_gpu("h100")) as vc:
+        t = torch.empty_strided((4, 8), (0, 1), device="meta")
+        assert t.shape == (4, 8) and vc.values.shadow(t) is None
