@@ -273,7 +273,7 @@ def _plan_counters(w: Workload, allocator, steps: int) -> tuple[int, int, float]
         w.step()
     finally:
         events, allocator.events = allocator.events, None
-    derived = replay_step(allocator.model, events, allocator.time_model.host_per_op) if steps > 1 else None
+    derived = replay_step(allocator.model, events) if steps > 1 else None
     if derived is not None:
         return derived
     for _ in range(steps - 1):
@@ -588,6 +588,8 @@ def verify(
             }
         )
     df = pd.DataFrame(rows).set_index("plan")
+    if "measured_seconds" in df:
+        df["time_error"] = df["predicted_seconds"] / df["measured_seconds"] - 1
     if base is not None and "measured_peak_reserved" in df:
         df["measured_saving"] = base["peak_reserved"] - df["measured_peak_reserved"]
         df["allocated_error"] = df["predicted_peak_allocated"] / df["measured_peak_allocated"] - 1

@@ -177,8 +177,13 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
     if args.verify:
         if not torch.cuda.is_available():
             raise ValueError("--verify measures the plans on a GPU, and this machine has none")
-        verified = verify_script(advice, args.script_args)
-        console.print(verified.to_string())
+        with _script_output(args.verbose, console) as (_, log_path):
+            try:
+                verified = verify_script(advice, args.script_args)
+            except BaseException:
+                _tail(console, log_path)
+                raise
+        console.print(_verified_table(verified))
     if args.json:
         import json
 
@@ -191,6 +196,24 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
         _line(console, f"advice saved to {path}")
     _save(console, advice.baseline, args.html, html=True)
     return 0
+
+
+def _verified_table(df: pd.DataFrame) -> Table:
+    """Predicted next to measured, per plan run for real."""
+    from rich import box
+
+    t = Table(title="measured on this GPU", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
+              show_edge=False)
+    for col in ("plan", "reserved\npredicted", "reserved\nmeasured", "step\npredicted", "step\nmeasured", "fits"):
+        t.add_column(col, justify="left" if col == "plan" else "right", no_wrap=True)
+    for name, r in df.iterrows():
+        if isinstance(r.get("error"), str):
+            t.add_row(str(name), r["error"], "", "", "", "no")
+            continue
+        t.add_row(str(name), fmt_bytes(r["predicted_peak_reserved"]), fmt_bytes(r["measured_peak_reserved"]),
+                  f"{1e3 * r['predicted_seconds']:.1f} ms", f"{1e3 * r['measured_seconds']:.1f} ms",
+                  "yes" if r["fits_budget"] else "no")
+    return t
 
 
 @contextlib.contextmanager

@@ -299,7 +299,7 @@ class _Schedule:
         if allocator is not None:
             events, allocator.events = allocator.events, []
             if self._done == 1 and self.steps > 1 and key and key not in self.sampled:
-                derived = replay_step(allocator.model, events, allocator.time_model.host_per_op)
+                derived = replay_step(allocator.model, events)
         if self._done < self.steps and derived is None:
             return True
         self.steps_of[key] = (tracker.step - 1, derived)
@@ -510,12 +510,16 @@ def verify_script(advice: ScriptAdvice, args: Sequence[str] = (), *, top: int = 
             continue
         last = r.steps.iloc[-1]
         pred = advice.table.loc[name]
+        measured_seconds = float(last["seconds"]) * _micro_batches(advice.plans[name]())
         rows.append({
             "plan": name,
             "predicted_peak_reserved": int(pred["peak_reserved"]),
             "measured_peak_reserved": int(last["peak_reserved"]),
             "predicted_peak_allocated": int(pred["peak_allocated"]),
             "measured_peak_allocated": int(last["peak_allocated"]),
+            "predicted_seconds": float(pred["seconds"]),
+            "measured_seconds": measured_seconds,
+            "time_error": float(pred["seconds"]) / measured_seconds - 1,
             "fits_budget": int(last["peak_reserved"]) <= advice.budget,
         })
     advice.verified = pd.DataFrame(rows).set_index("plan")

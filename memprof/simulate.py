@@ -56,8 +56,11 @@ class TimeModel:
     """Step time as two clocks, the host's and the device's.
 
     The host issues every operator of the step, one after another, at a
-    fixed cost each (``host_per_op``: Python, autograd and PyTorch's eager
-    dispatch); the device runs a kernel once it is issued and the previous
+    fixed cost each (Python, autograd and PyTorch's eager dispatch): one in
+    forward (``host_forward``, Python module code drives it), another in
+    backward (``host_backward``, autograd's engine drives it), and a
+    convolution its own (``host_convolution``: cuDNN picks and builds a plan
+    per call); the device runs a kernel once it is issued and the previous
     kernel is done. A kernel's device time is its roofline: the larger of its
     arithmetic at the dtype's tensor-core rate and its bytes (inputs read
     once, outputs written once) at memory bandwidth, each at an achievable
@@ -65,14 +68,23 @@ class TimeModel:
     A step ends when both are done (``memprof.track`` and ``verify`` time
     steps between synchronisations). So a step of large kernels costs their
     rooflines, and a step of small ones (small micro-batches, recomputation)
-    costs what the host needs to issue them. Constants fitted to 90 plans of
-    5 workloads measured on an H200 and checked on 4 others:
-    benchmarks/results/step-time.md."""
+    costs what the host needs to issue them. Constants fitted to 78 plans of
+    5 workloads measured on an H200 (median |error| 10.7 %, was 25.6 % with
+    the roofline alone) and checked on 68 plans of 4 others it never saw
+    (15.9 %, was 50.6 %): benchmarks/results/step-time.md."""
 
-    flop_efficiency: float = 0.85
-    bandwidth_efficiency: float = 0.4
-    per_kernel: float = 6e-6
-    host_per_op: float = 0.0
+    flop_efficiency: float = 0.75
+    bandwidth_efficiency: float = 0.55
+    per_kernel: float = 12e-6
+    host_forward: float = 23e-6
+    host_backward: float = 20e-6
+    host_convolution: float = 150e-6
+
+    def host_seconds(self, convolution: bool, backward: bool) -> float:
+        """The host's time to issue one operator."""
+        if convolution:
+            return self.host_convolution
+        return self.host_backward if backward else self.host_forward
 
     def seconds(self, gpu: GPU, flops: int, nbytes: int, dtype: torch.dtype | None, tf32: bool = False) -> float:
         """One kernel's device time."""
@@ -124,12 +136,14 @@ class SimulatedAllocator(TorchDispatchMode):
         self.bytes_moved = 0
         self.kernels = 0
         #: When a list, every device operator's (flops, bytes, precision: 2 half, 1 tf32, 0 fp32,
-        #: -1 for an operator that launches no kernel, -2 for a host-device transfer) is appended.
-        self.trace: list[tuple[int, int, int]] | None = None
+        #: -1 for an operator that launches no kernel, -2 for a host-device transfer; is a
+        #: convolution; runs in backward) is appended.
+        self.trace: list[tuple[int, int, int, bool, bool]] | None = None
         #: When a list, allocation and time events are appended: ``("m", handle,
-        #: bytes)``, ``("f", handle)``, ``("k", seconds, handles)`` for a kernel
-        #: (its device time, the handles of the outputs it allocated), ``("o",)``
-        #: for an operator without a kernel, ``("t", seconds)`` for a transfer and
+        #: bytes)``, ``("f", handle)``, ``("k", seconds, handles, host seconds)``
+        #: for a kernel (its device time, the handles of the outputs it allocated,
+        #: the host's time to issue it), ``("o", host seconds)`` for an operator
+        #: without a kernel, ``("t", seconds)`` for a transfer and
         #: ``("c", seconds)`` for time charged to both clocks (see :func:`replay_step`).
         self.events: list[tuple] | None = None
         self._handles: dict[weakref.ref, int] = {}
@@ -161,7 +175,7 @@ class SimulatedAllocator(TorchDispatchMode):
         if self.events is not None:
             self.events.append(("t", seconds))
         if self.trace is not None:
-            self.trace.append((0, nbytes, -2))
+            self.trace.append((0, nbytes, -2, False, False))
 
     # -- the counters memprof.track reads --------------------------------------
     def read(self) -> Counters:
@@ -230,27 +244,29 @@ class SimulatedAllocator(TorchDispatchMode):
         if cost is None:  # the host's own work (a data pipeline): no simulated time
             return out
         flops, nbytes, dtype, conv, kernel = cost
-        self.host += self.time_model.host_per_op
+        backward = torch._C._current_graph_task_id() != -1  # autograd's engine is running
+        host = self.time_model.host_seconds(conv, backward)
+        self.host += host
         if not kernel:
             if self.events is not None:
-                self.events.append(("o",))
+                self.events.append(("o", host))
             if self.trace is not None:
-                self.trace.append((0, 0, -1))
+                self.trace.append((0, 0, -1, conv, backward))
             return out
         tf32 = conv and torch.backends.cudnn.allow_tf32
         seconds = self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32)
         self.device = max(self.device, self.host) + seconds
         if self.events is not None:
-            self.events.append(("k", seconds, [h for h in made if h is not None]))
+            self.events.append(("k", seconds, [h for h in made if h is not None], host))
         self.flops += flops
         self.bytes_moved += nbytes
         self.kernels += 1
         if self.trace is not None:
-            self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0)))
+            self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0), conv, backward))
         return out
 
 
-def replay_step(model: CachingAllocatorModel, events: list[tuple], host_per_op: float) -> tuple[int, int, float] | None:
+def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> tuple[int, int, float] | None:
     """The step after a simulated one, from its ``events`` alone.
 
     A training step's second run does what its first did, less what the
@@ -280,10 +296,10 @@ def replay_step(model: CachingAllocatorModel, events: list[tuple], host_per_op: 
             model.free(handles.pop(e[1]))
         elif kind == "k":
             if not (e[2] and all(h in kept for h in e[2])):
-                host += host_per_op
+                host += e[3]
                 device = max(device, host) + e[1]
         elif kind == "o":
-            host += host_per_op
+            host += e[1]
         elif kind == "t":
             device = max(device, host) + e[1]
         else:  # "c": charged to both clocks

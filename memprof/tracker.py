@@ -255,10 +255,17 @@ class Tracker:
         self._counters.reset_peak()
         if self._profiled:
             self._start_profile()
-        self._t0 = self._clock()
+        self._t0 = self._timed()
+
+    def _timed(self) -> float:
+        # A profiled step's time is its kernels', not how far ahead of them the
+        # host got: CUDA is synchronised at its ends (light steps stay asynchronous).
+        if self._profiled and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self._clock()
 
     def _end_step(self) -> None:
-        seconds = self._clock() - self._t0
+        seconds = self._timed() - self._t0
         if self._profiled:
             self._finish_profile()
             peak = self._peaks[-1]
