@@ -139,16 +139,11 @@ def simulate_plan(
     baseline: Report | None = None,
 ):
     """Predict one plan: returns a ``memprof.strategies.Prediction`` (per rank)."""
-    from memprof.strategies import Prediction
-
     strategies = plan()
-    base, preds = simulate_plans(make_workload, {"plan": strategies}, gpu, steps=steps, base=strategies)
-    pred = preds["plan"]
-    if isinstance(pred, Exception):
-        raise pred
-    if baseline is not None:  # adjusted against the caller's baseline instead of the plan's own step
-        pred = _adjusted(Prediction.from_report(pred.report), strategies, baseline, gpu)
-    return pred
+    _, preds = simulate_plans(make_workload, {"plan": strategies}, gpu, steps=steps, base=strategies, baseline=baseline)
+    if isinstance(preds["plan"], Exception):
+        raise preds["plan"]
+    return preds["plan"]
 
 
 def simulate_plans(
@@ -159,6 +154,7 @@ def simulate_plans(
     steps: int = 2,
     base: list | None = None,
     advance: Callable[[str], None] | None = None,
+    baseline: Report | None = None,
 ) -> tuple[Report, dict]:
     """Simulate many plans on one build of the workload.
 
@@ -172,7 +168,8 @@ def simulate_plans(
 
     Plans whose steps run the same on one rank (they differ only in what is
     accounted for afterwards, like ZeRO's sharding) share one step, and a
-    repeated micro-batch runs once (:class:`_Repeats`). A plan whose step
+    repeated micro-batch runs once (:class:`_Repeats`). Those strategies
+    adjust against ``baseline`` (default: the base report). A plan whose step
     raises ends the build; the plans after it get a new one. Returns the base
     report and, per plan, a ``Prediction`` or the exception that stopped it.
     """
@@ -186,20 +183,21 @@ def simulate_plans(
         first, results, failed = _session(make_workload, base, pending, gpu, steps, advance)
         report = report or first
         for name, outcome in {**results, **failed}.items():
-            if isinstance(outcome, Report):
-                outcome = Prediction.from_report(outcome)
+            if isinstance(outcome, tuple) and isinstance(outcome[0], Report):  # tracked: (report, seconds)
+                outcome = replace(Prediction.from_report(outcome[0]), seconds=outcome[1])
             elif isinstance(outcome, tuple):
                 outcome = Prediction(*outcome)
-            preds[name] = outcome if isinstance(outcome, Exception) else _adjusted(outcome, plans[name], report, gpu)
+            preds[name] = outcome if isinstance(outcome, Exception) else _adjusted(
+                outcome, plans[name], baseline or report, gpu)
             pending.pop(name)
     return report, preds
 
 
 def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps: int, advance=None):
     """One build: the base report; per plan simulated, a report of its steps
-    (where an adjustment reads their samples) or its step's (peak allocated,
-    peak reserved, seconds); and the plans that failed, until a step fails
-    midway (the plans after it are left out)."""
+    and their seconds untracked (where an adjustment reads their samples) or
+    its step's (peak allocated, peak reserved, seconds); and the plans that
+    failed, until a step fails midway (the plans after it are left out)."""
     from memprof.strategies.zero import fsdp_units
 
     from .simulate import SimulatedAllocator, _state_tensors
@@ -223,8 +221,8 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
             s.apply_simulated(w)
         w.repeats = _Repeats(allocator)
         built = copy.deepcopy(allocator.model)
-        report = _tracked_steps(w, steps, track)
-        results[()] = report
+        results[()] = _tracked_steps(w, steps, track, allocator)
+        report = results[()][0]
         for name, strategies in rest.items():
             if keys[name] not in results:
                 if hasattr(advance, "now"):
@@ -237,7 +235,7 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
                         failed[name] = exc
                     else:
                         try:  # tracking costs time: only steps whose samples are read are tracked
-                            results[keys[name]] = (_tracked_steps(w, steps, track) if keys[name] in sampled
+                            results[keys[name]] = (_tracked_steps(w, steps, track, allocator) if keys[name] in sampled
                                                    else _plan_counters(w, allocator, steps))
                         except Exception as exc:  # the build is left midway through a step
                             failed[name] = exc
@@ -252,12 +250,17 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
     return report, {name: results[keys[name]] for name in rest if keys[name] in results}, failed
 
 
-def _tracked_steps(w: Workload, steps: int, track) -> Report:
-    """``steps`` steps under memprof.track: the report, cut to the last step's samples."""
+def _tracked_steps(w: Workload, steps: int, track, allocator) -> tuple[Report, float]:
+    """``steps`` steps under memprof.track: the report (its timeline the last
+    step's samples), and the seconds of one more step without tracking (the
+    tracker's hooks make autograd issue more operators, which the training
+    step it predicts would not)."""
     with track(w.model, w.optimizer, warmup=steps, every=1, timeline_steps=1) as prof:
         for _ in range(steps):
             w.step()
-    return prof.report()
+    start = allocator.clock()
+    w.step()
+    return prof.report(), allocator.clock() - start
 
 
 def _plan_counters(w: Workload, allocator, steps: int) -> tuple[int, int, float]:

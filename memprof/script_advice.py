@@ -42,7 +42,6 @@ from .advisor import Advice, PlanFactory, _adjusted, _progress, _step_view, defa
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import ScriptError, observe_script
-from .units import fmt_bytes
 from .workload import Workload
 
 __all__ = ["ScriptAdvice", "advise_script", "verify_script"]
@@ -345,18 +344,16 @@ class _Schedule:
         name = self._current
         if name is None:
             return
-        self.failed[name] = message
-        self._advance(name)
+        failing = [name]
         if _micro_batches(self.plans[name]) > 1:
             # The model saw 1/K of each batch-sized input; a loss computed outside it against the
             # whole batch cannot follow, and would not in the plans with accumulation still to run.
-            why = (f"{message} (memprof runs 1/K of each batch-sized input through the model to simulate K "
-                   "micro-batches, and the script's step could not follow)")
-            for other in self.pending():
-                if _micro_batches(self.plans[other]) > 1:
-                    self.failed[other] = why
-                    self._advance(other)
-            self.failed[name] = why
+            message += (" (memprof runs 1/K of each batch-sized input through the model to simulate K "
+                        "micro-batches, and the script's step could not follow)")
+            failing += [p for p in self.pending() if p != name and _micro_batches(self.plans[p]) > 1]
+        for plan in failing:
+            self.failed[plan] = message
+            self._advance(plan)
 
     # -- plans -----------------------------------------------------------------------
     def _allocator(self):

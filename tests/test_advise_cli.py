@@ -66,7 +66,7 @@ def test_gpt_script_advised(tmp_path):
     assert does["optimizer"] == "AdamW" and does["batch"] == {"idx": [[64, 64], "int64"], "targets": [[64, 64], "int64"]}
     assert "  mixed precision: bf16 autocast" in r.stdout and "  micro-batches per optimizer step: 2" in r.stdout
     assert not any(p.startswith("bf16") for p in plans) and "bf16+ckpt" in data["skipped"]
-    assert "from 2 to 4 micro-batches" in " ".join(ScriptAdviceCodeChange(data, "accum2"))
+    assert "from 2 to 4 micro-batches" in " ".join(accumulation_change(data, "accum2"))
     # Distinct results only, and every plan name whole in an 80-column terminal.
     results = [(p["peak_allocated"], p["peak_reserved"], p["seconds"]) for p in data["plans"]]
     assert len(set(results)) == len(results)
@@ -80,7 +80,7 @@ def test_gpt_script_advised(tmp_path):
     assert text.count("parameters on cuda") == 1 and "step 0: loss" in text
 
 
-def ScriptAdviceCodeChange(data: dict, plan: str) -> list[str]:
+def accumulation_change(data: dict, plan: str) -> list[str]:
     """The code change of ``plan`` as the advice phrases it for this script."""
     from memprof.strategies import Accumulation
 
