@@ -29,7 +29,7 @@ from .devices import GPU, get_gpu
 from .report import Report
 from .simulate import NON_PYTORCH_BYTES
 from .units import fmt_bytes
-from .workload import Workload
+from .workload import Workload, split_batch
 
 __all__ = ["Advice", "advise", "default_plans", "max_batch_size", "measure_steps", "parse_budget", "rank", "rerank", "best_of", "simulate_plan", "verify"]
 
@@ -230,6 +230,7 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
                 with ExitStack() as undo:
                     try:
                         undo.enter_context(w.plan(strategies, simulated=True))
+                        split_batch(w.batch, w.micro_batches)  # a batch the micro-batches do not divide fails here
                         _restart(w, allocator, built)
                     except Exception as exc:
                         failed[name] = exc

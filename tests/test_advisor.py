@@ -355,3 +355,21 @@ def test_fp16_plans_on_gpus_without_bf16():
         assert f"{half}+ckpt+accum4" in names and not any(n.startswith("fp16" if half == "bf16" else "bf16") for n in names)
         plan = default_plans(gpu=gpu)[f"{half}+ckpt"]()
         assert plan[0].dtype == half
+
+
+def test_a_batch_the_micro_batches_do_not_divide_fails_that_plan_alone(caplog):
+    """Accumulation over more micro-batches than the batch holds is left out with the reason,
+    without building the workload again for the plans after it."""
+    from memprof.strategies import Accumulation
+
+    builds = []
+
+    def make():
+        builds.append(1)
+        return block_workload(batch=2)
+
+    plans = {"baseline": list, "accum4": lambda: [Accumulation(4)], "accum2": lambda: [Accumulation(2)]}
+    with caplog.at_level(logging.WARNING, logger="memprof.advisor"):
+        a = advise(make, "24GiB", target="h200", plans=plans, progress=False)
+    assert set(a.table.index) == {"baseline", "accum2"} and len(builds) == 1
+    assert any("accum4" in r.getMessage() and "cannot be split into 4" in r.getMessage() for r in caplog.records)
