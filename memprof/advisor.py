@@ -159,19 +159,21 @@ def simulate_plans(
     """Simulate many plans on one build of the workload.
 
     The workload is built on the simulated ``gpu`` with the ``base``
-    strategies applied for good and runs ``steps`` steps: the base report.
-    Then each plan's other strategies are applied, one step runs, and they
-    are undone (:meth:`Workload.plan`), with the allocator's free cache
-    emptied before, so that each plan's reserved memory is its own. From its
-    second step on, a fresh run of a plan holds the same tensors (parameters,
-    optimizer state), so that one step is the plan's steady step.
+    strategies applied for good and runs ``steps`` steps under
+    :func:`memprof.track`: the base report. Then, for each plan, its other
+    strategies are applied (:meth:`Workload.plan`), the device is brought
+    back to its state after the build (:func:`_restart`), its steps run as a
+    fresh simulation of the plan would run them (the second derived from the
+    first's allocation events where it repeats it, repeated micro-batches run
+    once: :class:`_Repeats`), and the strategies are undone. Each plan's
+    bytes are those of its own simulation.
 
     Plans whose steps run the same on one rank (they differ only in what is
-    accounted for afterwards, like ZeRO's sharding) share one step, and a
-    repeated micro-batch runs once (:class:`_Repeats`). Those strategies
-    adjust against ``baseline`` (default: the base report). A plan whose step
-    raises ends the build; the plans after it get a new one. Returns the base
-    report and, per plan, a ``Prediction`` or the exception that stopped it.
+    accounted for afterwards, like ZeRO's sharding) share one step; those
+    strategies adjust against ``baseline`` (default: the base report). A plan
+    whose step raises ends the build; the plans after it get a new one.
+    Returns the base report and, per plan, a ``Prediction`` or the exception
+    that stopped it.
     """
     from memprof.strategies import Prediction
 
