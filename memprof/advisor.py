@@ -521,7 +521,8 @@ def max_batch_size(
 
     ``make_workload(batch_size)`` builds the workload for a batch size. With
     ``Accumulation(k)`` in the plan only multiples of k are tried. Returns 0
-    when even the smallest batch does not fit.
+    when even the smallest batch does not fit. The search simulates each
+    batch size untracked, the answer once more in full.
     """
     from memprof.strategies import Accumulation
 
@@ -533,9 +534,10 @@ def max_batch_size(
         if isinstance(s, Accumulation):
             unit *= s.k
 
-    def fits(n: int) -> bool:  # n units of batch
-        p = simulate_plan(lambda: make_workload(n * unit), plan, gpu)
-        return p.peak_reserved * (1 + margin) <= nbytes
+    def fits(n: int, confirm: bool = False) -> bool:  # n units of batch
+        make = lambda: make_workload(n * unit)  # noqa: E731
+        reserved = simulate_plan(make, plan, gpu).peak_reserved if confirm else _peak_reserved(make, plan, gpu)
+        return reserved * (1 + margin) <= nbytes
 
     top = limit // unit
     if top < 1 or not fits(1):
@@ -547,7 +549,30 @@ def max_batch_size(
     while hi - lo > 1:  # lo fits, hi does not
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    while lo > 0 and not fits(lo, confirm=True):  # the answer, simulated in full with memprof.track
+        log.warning("batch %d fits untracked but not in the full simulation; trying %d", lo * unit, (lo - 1) * unit)
+        lo -= 1
     return lo * unit
+
+
+def _peak_reserved(make_workload: Callable[[], Workload], plan: PlanFactory, gpu: GPU) -> int:
+    """A plan's predicted peak reserved bytes, as :func:`simulate_plan` gives them, without
+    tracking: one step, the second derived from its events (:func:`_plan_counters`)."""
+    from .simulate import SimulatedAllocator, _state_tensors
+    from .virtual_cuda import VirtualCUDA
+
+    strategies = plan()
+    if not all(s.simulated for s in strategies):  # sharding adjusts the samples of a tracked step
+        return simulate_plan(make_workload, lambda: strategies, gpu).peak_reserved
+    allocator = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=allocator):
+        with torch.device("meta"):
+            w = make_workload()
+        allocator.adopt(_state_tensors(w.model, w.optimizer))
+        for s in strategies:
+            s.apply_simulated(w)
+        w.repeats = _Repeats(allocator)
+        return _plan_counters(w, allocator, 2)[1]
 
 
 def verify(
