@@ -143,10 +143,7 @@ class _Watch:
     """Hooks that fill :class:`ScriptFacts` while the script's own steps run."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        from torch.nn.modules.module import register_module_forward_pre_hook
-
-        self.model, self.facts, self.forwards, self.steps = model, ScriptFacts(), 0, 0
-        self.names = {m: n for n, m in model.named_modules()}
+        self.facts, self.forwards, self.steps = ScriptFacts(), 0, 0
         self.recomputed: dict[str, None] = {}
         kind = type(opt).__name__
         d = opt.defaults
@@ -158,8 +155,9 @@ class _Watch:
             counts[_dtype(p.dtype)] = counts.get(_dtype(p.dtype), 0) + p.numel()
             self.facts.frozen += 0 if p.requires_grad else p.numel()
         self.facts.parameters = counts
-        self._handles = [model.register_forward_pre_hook(self._on_model, with_kwargs=True),
-                         register_module_forward_pre_hook(self._on_module)]
+        self._handles = [model.register_forward_pre_hook(self._on_model, with_kwargs=True)]
+        self._handles += [m.register_forward_pre_hook(functools.partial(self._on_module, name))
+                          for name, m in model.named_modules() if name]
 
     def _on_model(self, module, args, kwargs) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -174,12 +172,10 @@ class _Watch:
                 tensors = {f"argument {i}": a for i, a in enumerate(args)} | dict(kwargs)
             self.facts.batch = {k: (list(t.shape), _dtype(t.dtype)) for k, t in tensors.items() if isinstance(t, torch.Tensor)}
 
-    def _on_module(self, module, args) -> None:
+    def _on_module(self, name: str, module, args) -> None:
         # A module run while autograd computes gradients is recomputed: activation checkpointing.
-        if torch._C._current_graph_task_id() != -1 and module in self.names:
-            name = self.names[module]
-            if not any(name.startswith(r + ".") for r in self.recomputed):
-                self.recomputed[name] = None
+        if torch._C._current_graph_task_id() != -1 and not any(name.startswith(r + ".") for r in self.recomputed):
+            self.recomputed[name] = None
 
     def step(self) -> None:
         self.steps += 1

@@ -154,9 +154,6 @@ class Tracker:
         self._handles: list = []  # removed on exit
         # Classes whose zero_grad is wrapped, (class, its own zero_grad or None, the wrapper): restored on exit.
         self._zero_grads: list[tuple[type, Any, Any]] = []
-        # id -> weak reference of the model and the optimizers whose zero_grad is a phase
-        # (by id: a module may define __eq__ and so not be hashable).
-        self._zero_grad_targets: dict[int, weakref.ref] = {}
         self._step_handles: list = []  # removed at the end of each profiled step
         self._saved_hooks: saved_tensors_hooks | None = None
         self._active = False
@@ -672,7 +669,6 @@ class Tracker:
         while the block runs ``zero_grad`` of ``obj``'s class is wrapped: the
         class, not the instance, so that pickling or copying ``obj`` meets
         nothing of memprof's. Other instances of the class pass straight through."""
-        self._zero_grad_targets[id(obj)] = weakref.ref(obj)
         cls = type(obj)
         if any(patched is cls for patched, _, _ in self._zero_grads):
             return
@@ -702,8 +698,10 @@ class Tracker:
         self._zero_grads.append((cls, own, zero_grad))
 
     def _is_zero_grad_target(self, obj: Any) -> bool:
-        ref = self._zero_grad_targets.get(id(obj))
-        return ref is not None and ref() is obj
+        """The tracked model or one of its optimizers (not another instance of their classes)."""
+        if isinstance(obj, torch.optim.Optimizer):
+            return self._optimizers.get(obj) is True
+        return obj is self._model()
 
     def _unwrap_zero_grads(self) -> None:
         for cls, own, wrapper in reversed(self._zero_grads):
@@ -714,7 +712,6 @@ class Tracker:
             else:
                 delattr(cls, "zero_grad")
         self._zero_grads.clear()
-        self._zero_grad_targets.clear()
 
     # -- teardown --------------------------------------------------------------
     def _close(self) -> None:

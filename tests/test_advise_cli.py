@@ -170,3 +170,47 @@ def test_script_errors(tmp_path):
     nothing.write_text("import torch\nprint(torch.ones(2).sum())\n")
     r = memprof("advise", nothing)
     assert r.returncode == 2 and "optimizer" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_script_watch_sees_checkpointing_accumulation_and_the_optimizer():
+    """What the advisor reports the script does: blocks recomputed in backward,
+    forwards per optimizer step, the optimizer's implementation, the batch by argument name."""
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from memprof.script_advice import _Watch
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+            self.head = nn.Linear(8, 1)
+            self.head.requires_grad_(False)
+
+        def forward(self, tokens):
+            for b in self.blocks:
+                tokens = checkpoint(b, tokens, use_reentrant=False)
+            return self.head(tokens)
+
+    net = Net()
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], foreach=True)
+    watch = _Watch(net, opt)
+    for _ in range(2):  # two optimizer steps of three micro-batches
+        for _ in range(3):
+            net(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        watch.step()
+    facts = watch.close()
+    assert sorted(facts.checkpointed) == ["blocks.0", "blocks.1"] and facts.micro_batches == 3
+    assert (facts.optimizer, facts.implementation, facts.autocast) == ("AdamW", "foreach", None)
+    assert facts.parameters == {"fp32": 2 * (8 * 8 + 8) + 8 + 1} and facts.frozen == 9
+    assert facts.batch == {"tokens": ([4, 8], "fp32")}
