@@ -258,7 +258,7 @@ def _tracked_steps(w: Workload, steps: int, track, allocator) -> tuple[Report, f
     step's samples), and the seconds of one more step without tracking (the
     tracker's hooks make autograd issue more operators, which the training
     step it predicts would not)."""
-    with track(w.model, w.optimizer, warmup=steps, every=1, timeline_steps=1) as prof:
+    with track(w.model, w.optimizer, warmup=steps, every=1, timeline_steps=1, full=True) as prof:
         for _ in range(steps):
             w.step()
     start = allocator.clock()

@@ -9,12 +9,14 @@ dict directly where this PyTorch build has it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Counters", "DeviceCounters", "counters_for", "nvml_used_bytes"]
+__all__ = ["Counters", "DeviceCounters", "KeptPeaks", "counters_for", "nvml_used_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,57 @@ class Counters:
     peak_reserved: int
 
 
+def _peak_stats(stats: dict) -> Iterator[tuple[tuple[str, str], dict]]:
+    """Every statistic with a ``peak`` in an allocator's nested statistics
+    (``"allocated_bytes" -> "all" -> {"current", "peak", ...}``, and the
+    pool-less ``"oversize_allocations" -> {...}``), by its path."""
+    for name, value in stats.items():
+        if isinstance(value, dict):
+            if "peak" in value:
+                yield (name, ""), value
+            else:
+                for pool, d in value.items():
+                    if isinstance(d, dict) and "peak" in d:
+                        yield (name, pool), d
+
+
+class KeptPeaks:
+    """The highest value of every peak statistic across resets that the user
+    did not ask for: what the allocator's peaks would read without them."""
+
+    def __init__(self) -> None:
+        self._peaks: dict[tuple[str, str], int] = {}
+
+    def fold(self, stats: dict) -> None:
+        """Keep the peaks of ``stats``, read just before a reset."""
+        kept = self._peaks
+        for key, d in _peak_stats(stats):
+            if d["peak"] > kept.get(key, -1):
+                kept[key] = d["peak"]
+
+    def apply(self, stats: dict) -> dict:
+        """``stats`` with every peak raised to the kept one (in place)."""
+        kept = self._peaks
+        if kept:
+            for key, d in _peak_stats(stats):
+                k = kept.get(key)
+                if k is not None and k > d["peak"]:
+                    d["peak"] = k
+        return stats
+
+    def clear(self) -> None:
+        """The user reset the peaks: nothing before that counts any more."""
+        self._peaks.clear()
+
+
+# The bindings through which torch.cuda (memory_stats, max_memory_allocated,
+# memory_summary, ...) and torch.accelerator read and reset the caching
+# allocator's statistics, taken at import so that the tracker always calls
+# the real ones.
+_STATS = {n: getattr(torch._C, n, None) for n in ("_cuda_memoryStats", "_accelerator_getDeviceStats")}
+_RESETS = {n: getattr(torch._C, n, None) for n in ("_cuda_resetPeakMemoryStats", "_accelerator_resetPeakStats")}
+
+
 class DeviceCounters:
     """Allocator counters of one device; on the CPU there are none."""
 
@@ -35,31 +88,78 @@ class DeviceCounters:
         self.device = device
         self.available = device.type == "cuda"
         self._index = device.index if device.index is not None else 0
-        self._nested = getattr(torch._C, "_cuda_memoryStats", None)
-        self._reset = getattr(torch._C, "_cuda_resetPeakMemoryStats", None)
+        self._nested = _STATS["_cuda_memoryStats"]
+        self._reset = _RESETS["_cuda_resetPeakMemoryStats"]
+        self.kept = KeptPeaks()
+
+    def _stats(self) -> dict:
+        if self._nested is not None:
+            return self._nested(self._index)
+        return torch.cuda.memory_stats_as_nested_dict(self.device)
 
     def read(self) -> Counters | None:
         if not self.available:
             return None
-        if self._nested is not None:
-            s = self._nested(self._index)
-            a, r = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
-            return Counters(a["current"], r["current"], a["peak"], r["peak"])
-        s = torch.cuda.memory_stats(self.device)
-        return Counters(
-            s.get("allocated_bytes.all.current", 0),
-            s.get("reserved_bytes.all.current", 0),
-            s.get("allocated_bytes.all.peak", 0),
-            s.get("reserved_bytes.all.peak", 0),
-        )
+        s = self._stats()
+        a, r = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
+        return Counters(a["current"], r["current"], a["peak"], r["peak"])
+
+    def read_and_reset(self) -> Counters | None:
+        """:meth:`read`, then :meth:`reset_peak`, with one read of the statistics."""
+        if not self.available:
+            return None
+        s = self._stats()
+        self.kept.fold(s)
+        self._reset_raw()
+        a, r = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
+        return Counters(a["current"], r["current"], a["peak"], r["peak"])
 
     def reset_peak(self) -> None:
-        if not self.available:
-            return
+        """Reset the peaks for the tracker, keeping what the user would read."""
+        if self.available:
+            self.kept.fold(self._stats())
+            self._reset_raw()
+
+    def _reset_raw(self) -> None:
         if self._reset is not None:
             self._reset(self._index)
         else:
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    @contextlib.contextmanager
+    def user_view(self) -> Iterator[None]:
+        """While open, the script reads and resets the peaks as if memprof never had."""
+        if not self.available:
+            yield
+            return
+        index, kept = self._index, self.kept
+        patched: dict[str, Any] = {}
+
+        def reading(original):
+            def stats(device: int) -> dict:
+                s = original(device)
+                return kept.apply(s) if device == index else s
+
+            return stats
+
+        def resetting(original):
+            def reset(device: int) -> None:
+                if device == index:
+                    kept.clear()
+                return original(device)
+
+            return reset
+
+        for table, wrap in ((_STATS, reading), (_RESETS, resetting)):
+            for name, original in table.items():
+                if original is not None and getattr(torch._C, name, None) is original:
+                    patched[name] = original
+                    setattr(torch._C, name, wrap(original))
+        try:
+            yield
+        finally:
+            for name, original in patched.items():
+                setattr(torch._C, name, original)
 
     def nvml_used(self) -> int | None:
         return nvml_used_bytes(self.device) if self.available else None

@@ -89,7 +89,7 @@ class CudaRuntime:
             **self._memory(),
             "memory_cached": vc._count("reserved"),
             "max_memory_cached": vc._count("peak_reserved"),
-            "reset_max_memory_allocated": vc._call("reset_peak"),
+            "reset_max_memory_allocated": vc._call("user_reset_peak"),
             "reset_accumulated_memory_stats": lambda device=None: None,
             "memory_summary": lambda device=None, abbreviated=False: vc.memory_summary(),
             "mem_get_info": lambda device=None: vc.mem_get_info(),
@@ -136,13 +136,13 @@ class CudaRuntime:
             "max_memory_allocated": self._count("peak_allocated"),
             "memory_reserved": self._count("reserved"),
             "max_memory_reserved": self._count("peak_reserved"),
-            "reset_peak_memory_stats": self._call("reset_peak"),
+            "reset_peak_memory_stats": self._call("user_reset_peak"),
             "memory_stats": _ignoring_args(self.memory_stats),
         }
 
     def _count(self, field: str) -> Callable[..., int]:
         """A query answering the allocator's counter ``field`` (0 without an allocator)."""
-        return _ignoring_args(lambda: getattr(self.allocator.read(), field) if self.allocator is not None else 0)
+        return _ignoring_args(lambda: getattr(self.allocator.user_read(), field) if self.allocator is not None else 0)
 
     def _call(self, method: str) -> Callable[..., None]:
         """A call of the allocator's ``method`` (nothing without an allocator)."""
@@ -158,7 +158,7 @@ class CudaRuntime:
         """The main keys of ``torch.cuda.memory_stats()``, from the simulated allocator."""
         if self.allocator is None:
             return {}
-        c = self.allocator.read()
+        c = self.allocator.user_read()
         stats = {}
         for key, current, peak in (("allocated_bytes", c.allocated, c.peak_allocated),
                                    ("reserved_bytes", c.reserved, c.peak_reserved),
@@ -170,7 +170,7 @@ class CudaRuntime:
         return stats
 
     def memory_summary(self) -> str:
-        c = self.allocator.read() if self.allocator is not None else None
+        c = self.allocator.user_read() if self.allocator is not None else None
         if c is None:
             return f"simulated {self.gpu.name}: no allocator"
         return (f"simulated {self.gpu.name}: allocated {c.allocated} B (peak {c.peak_allocated} B), "

@@ -9,8 +9,10 @@ the storage lives, so a weak reference to it dies exactly with the memory).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import defaultdict
+from typing import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +28,7 @@ def storage_bytes(storage: torch.UntypedStorage, block: int = 1) -> int:
     return -(-n // block) * block
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     category: Category
     module: str
@@ -136,6 +138,16 @@ class Ledger:
     def close_journal(self) -> None:
         self._journal = None
 
+    @contextlib.contextmanager
+    def backdated(self) -> Iterator[None]:
+        """Changes made inside count as made before the journal opened: every
+        :meth:`by_module` of an earlier mark includes them."""
+        journal, self._journal = self._journal, None
+        try:
+            yield
+        finally:
+            self._journal = journal
+
     def mark(self) -> int:
         """A moment to rebuild later with :meth:`by_module` (0 without a journal)."""
         return len(self._journal) if self._journal is not None else 0
@@ -154,12 +166,12 @@ class Ledger:
                 out[(module, category)] -= nbytes
         return {k: b for k, b in out.items() if b}
 
-    def drop(self, category: Category) -> None:
-        """Forget every entry of ``category`` (their storages stay untouched)."""
+    def drop(self, *categories: Category) -> None:
+        """Forget every entry of ``categories`` (their storages stay untouched)."""
         for key, entry in list(self._entries.items()):
-            if entry.category is category:
+            if entry.category in categories:
                 del self._entries[key]
-                self._change(category, entry.module, -entry.nbytes)
+                self._change(entry.category, entry.module, -entry.nbytes)
 
     def clear(self) -> None:
         self._entries.clear()

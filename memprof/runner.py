@@ -173,7 +173,7 @@ class _Observer:
         try:
             if self.on_model is not None:  # e.g. the advisor applying a plan to the script's model
                 self.on_model(model, opt)
-            tracker = track(model, opt, warmup=self.steps, every=1, timeline_steps=self.steps)
+            tracker = track(model, opt, warmup=self.steps, every=1, timeline_steps=self.steps, full=True)
             tracker.__enter__()
         except Exception as exc:  # e.g. the script already runs memprof.track itself
             self.error = f"memprof could not start tracking {type(model).__name__}: {exc}"

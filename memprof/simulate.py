@@ -148,6 +148,8 @@ class SimulatedAllocator(TorchDispatchMode):
         self.events: list[tuple] | None = None
         self._handles: dict[weakref.ref, int] = {}
         self._workspace: int | None = None
+        # Peaks (allocated, reserved) folded in before memprof's own resets.
+        self._kept = (0, 0)
 
     @property
     def seconds(self) -> float:
@@ -182,8 +184,29 @@ class SimulatedAllocator(TorchDispatchMode):
         m = self.model
         return Counters(m.allocated, m.reserved, m.peak_allocated, m.peak_reserved)
 
+    def read_and_reset(self) -> Counters:
+        c = self.read()
+        self.reset_peak()
+        return c
+
     def reset_peak(self) -> None:
+        """Reset the peaks for memprof, keeping what the script would read (see allocator.py)."""
+        m = self.model
+        self._kept = (max(self._kept[0], m.peak_allocated), max(self._kept[1], m.peak_reserved))
+        m.reset_peak()
+
+    def user_read(self) -> Counters:
+        """The counters as the script reads them: peaks since its own last reset."""
+        m = self.model
+        return Counters(m.allocated, m.reserved, max(self._kept[0], m.peak_allocated), max(self._kept[1], m.peak_reserved))
+
+    def user_reset_peak(self) -> None:
+        self._kept = (0, 0)
         self.model.reset_peak()
+
+    def user_view(self) -> nullcontext:
+        # The simulated device's torch.cuda answers from user_read already.
+        return nullcontext()
 
     def nvml_used(self) -> int:
         return self.model.reserved + NON_PYTORCH_BYTES
@@ -378,7 +401,7 @@ def simulate(
         # the caller) are device memory too.
         allocator.adopt(_state_tensors(model, optimizer))
         run = (lambda: step(model, optimizer)) if _takes_two(step) else step
-        with track(model, optimizer, warmup=steps, every=1, timeline_steps=steps) as prof:
+        with track(model, optimizer, warmup=steps, every=1, timeline_steps=steps, full=True) as prof:
             for _ in range(steps):
                 run()
     report = prof.report()

@@ -100,6 +100,33 @@ class _Span:
         self.name, self.start, self.high = name, start, start
 
 
+class _Plan:
+    """What the last full profile found, for the cheap profiled steps after it.
+
+    A step repeats the one before it, so after full profiles (the counters
+    read at every module boundary) of two steps that peak in the same
+    interval, the next profiled steps read them only at
+    the boundaries of the interval that held the peak (``bracket``: the two
+    samples, each an event and its occurrence in the step) and at the step's
+    coarse moments (the root's forward and backward, loss, optimizer,
+    zero_grad). If a cheap step's peak falls elsewhere, the step has changed
+    and the next profiled step is a full one again.
+    """
+
+    __slots__ = ("bracket", "events", "modules", "phase")
+
+    def __init__(self, bracket: tuple[tuple, tuple], phase: str) -> None:
+        self.bracket, self.phase = bracket, phase
+        self.events = frozenset(key[:2] for key in bracket)
+        self.modules = frozenset(key[1] for key in bracket if key[0] in _FINE_EVENTS)
+
+
+# Events at which a cheap profiled step skips reading the counters (unless they
+# bound the peak's interval): the boundaries of modules below the root, and
+# the samples taken when a large activation is saved or a large gradient made.
+_FINE_EVENTS = frozenset(("pre", "post", "bwd_start", "bwd_end", "saved", "node"))
+
+
 class Tracker:
     """Context manager returned by :func:`track`; see there."""
 
@@ -112,6 +139,8 @@ class Tracker:
         warmup: int = 3,
         every: int = 100,
         timeline_steps: int = 3,
+        history: int = 10_000,
+        full: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"memprof.track needs an nn.Module, got {type(model).__name__}: pass your model, e.g. track(model)")
@@ -120,7 +149,9 @@ class Tracker:
                 f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}; "
                 "leave it out to find the optimizer automatically"
             )
-        for arg, value, low in (("warmup", warmup, 0), ("every", every, 0), ("timeline_steps", timeline_steps, 1)):
+        for arg, value, low in (
+            ("warmup", warmup, 0), ("every", every, 0), ("timeline_steps", timeline_steps, 1), ("history", history, 1)
+        ):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
         self._model = weakref.ref(model)
@@ -156,6 +187,7 @@ class Tracker:
         self._zero_grads: list[tuple[type, Any, Any]] = []
         self._step_handles: list = []  # removed at the end of each profiled step
         self._saved_hooks: saved_tensors_hooks | None = None
+        self._user_view: Any = None
         self._active = False
         # Storages resized in place (FSDP's gathered parameters): kept across
         # steps, since their ledger entries are, and re-read at every sample.
@@ -165,9 +197,21 @@ class Tracker:
         self._forwards = 0
         self._profiled = False
         self._t0 = 0.0
-        self._steps: list[tuple] = []
-        self._peaks: list[Breakdown] = []
+        # Bounded, so that a run of any length costs the same host memory.
+        self._steps: deque[tuple] = deque(maxlen=history)
+        self._last: Breakdown | None = None
         self._timeline: deque[list[tuple]] = deque(maxlen=timeline_steps)
+        self._plan: _Plan | None = None
+        self._last_bracket: tuple | None = None  # the peak's interval in the last full step
+        self._always_full = full
+        self._full_steps: deque[int] = deque(maxlen=history)
+        self._full = True  # whether the current profiled step reads the counters at every boundary
+        # The model's parameters with their owner and name, found by full steps.
+        self._params: list[tuple[weakref.ref, str, str]] = []
+        # Over-step module columns, measured by full steps.
+        self._saved_over_step: dict[str, int] = defaultdict(int)
+        self._fwd_delta: dict[str, int] = defaultdict(int)
+        self._bwd_delta: dict[str, int] = defaultdict(int)
         # The reported step (the highest peak, the latest of equal ones): its
         # breakdown, module table and optimizer state by name.
         self._reported: Breakdown | None = None
@@ -192,6 +236,8 @@ class Tracker:
         try:
             _active = weakref.ref(self)
             self._active = True
+            self._user_view = self._counters.user_view()
+            self._user_view.__enter__()
             self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
             self._handles.append(model.register_forward_pre_hook(self._on_root_pre))
@@ -215,7 +261,7 @@ class Tracker:
     @property
     def last_peak(self) -> Breakdown | None:
         """The peak breakdown of the latest profiled step (cheap: no tables are built)."""
-        return self._peaks[-1] if self._peaks else None
+        return self._last
 
     def report(self) -> Report:
         """What was measured so far (callable inside or after the ``with`` block)."""
@@ -228,7 +274,12 @@ class Tracker:
         )
         cols = ["step", "seq", "phase", "allocated", "interval_peak", "reserved", *[c.value for c in ALLOCATED]]
         timeline = pd.DataFrame([r for rows in self._timeline for r in rows], columns=cols)
-        meta = {"torch": torch.__version__, "profiled_steps": [b.step for b in self._peaks]}
+        meta = {
+            "torch": torch.__version__,
+            "profiled_steps": [r[0] for r in self._steps if r[1]],
+            "full_profiles": list(self._full_steps),
+            "steps_total": self.step,
+        }
         if self.device.type == "cuda":
             meta["gpu"] = torch.cuda.get_device_name(self.device)
         return Report(
@@ -265,7 +316,7 @@ class Tracker:
         seconds = self._timed() - self._t0
         if self._profiled:
             self._finish_profile()
-            peak = self._peaks[-1]
+            peak = self._last
             row = (self.step, True, peak.allocated, self._reserved_high, self._last_alloc, self._last_reserved, seconds)
         else:
             c = self._counters.read()
@@ -277,7 +328,10 @@ class Tracker:
 
     # -- profiled steps --------------------------------------------------------
     def _start_profile(self) -> None:
-        self._refresh_state()
+        # Without the allocator's peak counters (CPU), skipped samples would
+        # hide the peak: every profiled step is a full one there.
+        full = self._full = self._plan is None or self._always_full or not self._counters.available
+        self._refresh_state(full)
         self._ledger.open_journal()
         self._fwd: list[_Span] = []
         self._bwd: dict[str, _Span] = {}
@@ -291,31 +345,53 @@ class Tracker:
         # zero_grad()) must not push a finished one out.
         self._rows: list[tuple] = []
         self._saved_seen: set = set()
-        self._saved_over_step: dict[str, int] = defaultdict(int)
-        self._fwd_delta: dict[str, int] = defaultdict(int)
-        self._bwd_delta: dict[str, int] = defaultdict(int)
+        if full:
+            self._saved_over_step.clear()
+            self._fwd_delta.clear()
+            self._bwd_delta.clear()
+        # Each sample is named by its event and the event's occurrence in the
+        # step, so that a cheap step can find the samples of the full one.
+        self._occurrences: dict[tuple[str, str], int] = defaultdict(int)
+        self._key: tuple = ("start", "", 0)
         self._peak: tuple | None = None
+        self._peak_keys: tuple[tuple, tuple] | None = None
         self._reserved_high: int | None = None
         c = self._counters.read()
         self._last_alloc = c.allocated if c else self._ledger.attributed()
         self._last_reserved = c.reserved if c else None
         self._last_totals = self._ledger.snapshot()
         self._last_mark = self._ledger.mark()
+        # A tensor this large is worth a sample of its own. Fixed for the
+        # step, so that full and cheap steps take the same ones.
         self._big = max(self._last_alloc >> 5, 1 << 20)
         h = self._step_handles
         h.append(nn.modules.module.register_module_forward_pre_hook(self._on_pre))
         h.append(nn.modules.module.register_module_forward_hook(self._on_post, always_call=True))
-        for p in self._model().parameters():
-            if p.requires_grad:
+        for ref, _, _ in self._params:
+            p = ref()
+            if p is not None and p.requires_grad:
                 h.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
 
     def _finish_profile(self) -> None:
-        self._end_backward(Phase.BETWEEN_STEPS)
+        self._end_backward(Phase.BETWEEN_STEPS, ("end", ""))
         for handle in self._step_handles:
             handle.remove()
         self._step_handles.clear()
         self._pop_saved_hooks()
         alloc, phase, totals, reserved, mark = self._peak
+        plan = self._plan
+        if self._full:
+            # Once two full steps in a row peak in the same interval, the step
+            # repeats (the first steps differ: lazy initialisation, optimizer
+            # state), and the next profiled steps read the counters around it only.
+            if self._peak_keys == self._last_bracket and plan is None:
+                self._plan = _Plan(self._peak_keys, phase)
+            self._last_bracket = self._peak_keys
+        elif self._peak_keys == plan.bracket:
+            phase = plan.phase  # the full step's name for it: a cheap step's backward phases are coarse
+        else:
+            log.debug("step %d peaked outside the interval of the last full profile: profiling in full again", self.step)
+            self._plan = self._last_bracket = None
         counts = {c.value: totals.get(c, 0) for c in _NAMED}
         counts[Category.TEMPORARIES.value] = alloc - sum(counts.values())
         if reserved is not None:
@@ -323,22 +399,26 @@ class Tracker:
             used = self._counters.nvml_used()
             if used is not None:
                 counts[Category.NON_PYTORCH.value] = max(used - self._last_reserved, 0)
-        peak = Breakdown(step=self.step, phase=phase, bytes=counts)
-        self._peaks.append(peak)
-        self._timeline.append(self._rows)
+        peak = self._last = Breakdown(step=self.step, phase=phase, bytes=counts)
         led = self._ledger
         best = self._reported
+        if self._full:
+            self._full_steps.append(self.step)
+            self._timeline.append(self._rows)
+        # The reported step has the highest peak, the latest of equal ones.
+        # Its module table is rebuilt unless a cheap step only equals a full
+        # one: the full step's table names activation gradients by the finer
+        # backward phases, at the same moment of the same step.
         if best is None or peak.allocated >= best.allocated:
-            # This step is now the reported one: its module table, at the
-            # moment of its peak, and over the step.
             self._reported = peak
-            self._modules = self._module_rows(led.by_module(mark))
-            self._optimizer_state = led.group(Category.OPTIMIZER_STATE, by="detail")
+            if self._full or peak.allocated > best.allocated:
+                self._modules = self._module_rows(led.by_module(mark))
+                self._optimizer_state = led.group(Category.OPTIMIZER_STATE, by="detail")
         led.close_journal()
         # Activations and their gradients of this step are dead or about to be;
         # keep the ledger small between profiled steps.
-        for cat in (Category.ACTIVATIONS, Category.ACTIVATION_GRADIENTS, Category.INPUTS):
-            led.drop(cat)
+        led.drop(Category.ACTIVATIONS, Category.ACTIVATION_GRADIENTS, Category.INPUTS)
+        self._resizable = [r for r in self._resizable if r() is not None]
 
     def _module_rows(self, at_peak: dict[tuple[str, Category], int]) -> dict[str, dict[str, int]]:
         """Each module's row: what it and its submodules held at the peak, and over the step."""
@@ -367,20 +447,30 @@ class Tracker:
             self._chains[module] = chain
         return chain
 
-    def _refresh_state(self) -> None:
-        """Record parameters, buffers, gradients and optimizer state that exist now."""
+    def _refresh_state(self, full: bool) -> None:
+        """Record parameters, buffers, gradients and optimizer state that exist
+        now. A full step looks for them in the model; a cheap one only
+        re-checks the gradients of the parameters the last full step found
+        (the rest is in the ledger for as long as its storage lives)."""
         led, root = self._ledger, self._root_name
-        model = self._model()
-        for name, p in model.named_parameters():
-            if self._on_device(p):
-                led.add(_storage(p), Category.PARAMETERS, _owner(root, name), name)
-                if p.grad is not None and self._on_device(p.grad):
-                    led.add(_storage(p.grad), Category.GRADIENTS, _owner(root, name), name, replace=True)
-        for name, b in model.named_buffers():
-            if self._on_device(b):
-                led.add(_storage(b), Category.BUFFERS, _owner(root, name), name)
-        for opt in list(self._optimizers.keys()):
-            self._record_optimizer_state(opt)
+        if full:
+            model = self._model()
+            self._params = [(weakref.ref(p), _owner(root, name), name) for name, p in model.named_parameters()]
+            for name, b in model.named_buffers():
+                if self._on_device(b):
+                    led.add(_storage(b), Category.BUFFERS, _owner(root, name), name)
+        for ref, owner, name in self._params:
+            p = ref()
+            if p is None:
+                continue
+            if full and self._on_device(p):
+                led.add(_storage(p), Category.PARAMETERS, owner, name)
+            g = p.grad
+            if g is not None and self._on_device(g):
+                led.add(_storage(g), Category.GRADIENTS, owner, name, replace=True)
+        if full:
+            for opt in list(self._optimizers.keys()):
+                self._record_optimizer_state(opt)
 
     def _record_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
         led = self._ledger
@@ -397,21 +487,38 @@ class Tracker:
         d = t.device
         return d.type == self.device.type and d.index == self.device.index
 
-    def _sample(self, kind: Phase, module: str = "") -> int:
+    def _sample(self, kind: Phase, module: str = "", event: tuple[str, str] = ("", "")) -> int:
         """Close the interval that ran in the current phase and begin one of
-        phase ``kind`` (in ``module``); return allocated bytes now."""
+        phase ``kind`` (in ``module``); return allocated bytes now.
+
+        ``event`` names what happened (``("bwd_end", module)``); a cheap step
+        skips the counters at the boundaries of modules below the root that
+        do not bound the last full profile's peak (and returns the bytes of
+        the last sample it took).
+        """
+        skippable = not self._full and event[0] in _FINE_EVENTS and event[1] != self._root_name
+        if skippable and event not in self._plan.events:
+            self._kind, self._phase_module = kind, module
+            return self._last_alloc
+        # Occurrences are counted for every event of a full step, and in a
+        # cheap one for those it samples or may: they count alike in both.
+        occurrences = self._occurrences
+        n = occurrences[event] = occurrences[event] + 1
+        key = (*event, n)
+        if skippable and key not in self._plan.bracket:
+            self._kind, self._phase_module = kind, module
+            return self._last_alloc
         for ref in self._resizable:
             storage = ref()
             if storage is not None:
                 self._ledger.resize(storage)
-        c = self._counters.read()
+        c = self._counters.read_and_reset()
         totals = self._ledger.snapshot()
         mark = self._ledger.mark()
         if c is None:
             alloc = sum(totals.values())
             high, reserved, reserved_high = max(alloc, self._last_alloc), None, None
         else:
-            self._counters.reset_peak()
             alloc, high, reserved, reserved_high = c.allocated, c.peak_allocated, c.reserved, c.peak_reserved
             self._reserved_high = max(self._reserved_high or 0, reserved_high)
         if self._peak is None or high > self._peak[0]:
@@ -422,17 +529,19 @@ class Tracker:
                 self._peak = (high, self._phase, totals, reserved_high, mark)
             else:
                 self._peak = (high, self._phase, self._last_totals, reserved_high, self._last_mark)
-        for span in self._fwd:
-            span.high = max(span.high, high)
-        for span in self._bwd.values():
-            span.high = max(span.high, high)
-        if len(self._rows) < _TIMELINE_ROWS_PER_STEP:
-            named_now = [totals.get(cat, 0) for cat in _NAMED]
-            self._rows.append(
-                (self.step, len(self._rows), self._phase, alloc, high, reserved, *named_now, alloc - sum(named_now))
-            )
+            self._peak_keys = (self._key, key)
+        if self._full:
+            for span in self._fwd:
+                span.high = max(span.high, high)
+            for span in self._bwd.values():
+                span.high = max(span.high, high)
+            if len(self._rows) < _TIMELINE_ROWS_PER_STEP:
+                named_now = [totals.get(cat, 0) for cat in _NAMED]
+                self._rows.append(
+                    (self.step, len(self._rows), self._phase, alloc, high, reserved, *named_now, alloc - sum(named_now))
+                )
         self._last_alloc, self._last_totals, self._last_reserved, self._last_mark = alloc, totals, reserved, mark
-        self._big = max(alloc >> 5, 1 << 20)
+        self._key = key
         self._kind, self._phase_module = kind, module
         self._phase = f"{kind.value} {module}" if module else kind.value
         return alloc
@@ -450,7 +559,7 @@ class Tracker:
             # A forward that begins while autograd runs a node is a checkpointed
             # module's recomputation (torch.utils.checkpoint, either kind).
             self._recompute = torch._C._current_autograd_node() is not None
-        alloc = self._sample(Phase.RECOMPUTE if self._recompute else Phase.FORWARD, name)
+        alloc = self._sample(Phase.RECOMPUTE if self._recompute else Phase.FORWARD, name, ("pre", name))
         if outer:  # the root: its inputs, and start watching saved tensors
             if not self._recompute:
                 for t in _tensors(args):
@@ -461,8 +570,13 @@ class Tracker:
             # backward in progress are activations again.
             self._push_saved_hooks()
         self._fwd.append(_Span(name, alloc))
-        if not self._recompute:
+        if not self._recompute and self._watches_backward(name, outer):
             _on_first_grad(args, lambda g, n=name: self._on_backward_end(n))
+
+    def _watches_backward(self, name: str, outer: bool) -> bool:
+        """Whether to sample where ``name``'s backward begins and ends: always
+        in a full step, in a cheap one for the root and the peak's modules."""
+        return self._full or outer or name in self._plan.modules
 
     def _on_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         name = self._names.get(module)
@@ -472,21 +586,24 @@ class Tracker:
         outer = len(self._fwd) == 1
         if outer:
             self._pop_saved_hooks()
+        event = ("post", name)
         if not outer:
-            alloc = self._sample(Phase.RECOMPUTE if self._recompute else Phase.FORWARD, self._fwd[-2].name)
+            alloc = self._sample(Phase.RECOMPUTE if self._recompute else Phase.FORWARD, self._fwd[-2].name, event)
         elif self._recompute:  # back to the backward that asked for it
-            alloc = self._sample(*self._backward_phase(self._bwd))
+            alloc = self._sample(*self._backward_phase(self._bwd), event)
         else:
-            alloc = self._sample(Phase.LOSS)
+            alloc = self._sample(Phase.LOSS, "", event)
         self._fwd.pop()
         if self._recompute:
             # The recomputed graph is not the one backward runs through; the
             # module's forward was measured when it first ran.
             return
-        self._fwd_delta[name] = max(self._fwd_delta[name], max(span.high, alloc) - span.start)
-        outs = _on_first_grad(output, lambda g, n=name: self._on_backward_start(n))
-        if outer and outs:
-            self._hook_graph(outs)
+        if self._full:
+            self._fwd_delta[name] = max(self._fwd_delta[name], max(span.high, alloc) - span.start)
+        if self._watches_backward(name, outer):
+            outs = _on_first_grad(output, lambda g, n=name: self._on_backward_start(n))
+            if outer and outs:
+                self._hook_graph(outs)
 
     def _push_saved_hooks(self) -> None:
         inner = _top_saved_tensors_hooks()
@@ -523,7 +640,9 @@ class Tracker:
         # storage (the next Linear saving a ReLU's output) adds nothing live.
         added = self._ledger.add(storage, Category.ACTIVATIONS, module)
         if added >= self._big:
-            self._sample(self._kind, self._phase_module)
+            self._sample(self._kind, self._phase_module, ("saved", ""))
+        if not self._full:
+            return  # activations saved over the step are counted by full steps
         entry = self._ledger.get(storage)
         if entry is None or entry.category in (Category.PARAMETERS, Category.BUFFERS):
             return
@@ -553,18 +672,19 @@ class Tracker:
             todo.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
 
     def _on_node_grads(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        if not self._active or not self._profiled:
+        if not self._profiled or not self._active:
             return
         module = self._phase_module or self._root_name
+        add, on_device = self._ledger.add, self._on_device
         added = 0
         for g in grad_inputs:
-            if g is not None and self._on_device(g):
-                added += self._ledger.add(_storage(g), Category.ACTIVATION_GRADIENTS, module)
+            if g is not None and on_device(g):
+                added += add(_storage(g), Category.ACTIVATION_GRADIENTS, module)
         if added >= self._big:
             # A large gradient was just produced, and the node's saved tensors
             # are still alive (autograd frees them after its post hooks): the
             # likeliest moment of a backward peak, so look at it exactly.
-            self._sample(self._kind, self._phase_module)
+            self._sample(self._kind, self._phase_module, ("node", ""))
 
     def _backward_phase(self, names: Iterable[str]) -> tuple[Phase, str]:
         # The innermost open module: a module and its last child share an
@@ -581,7 +701,7 @@ class Tracker:
             # FSDP does): the end of backward is then a sample, not a guess.
             self._bwd_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_done)
-        alloc = self._sample(*self._backward_phase([*self._bwd, name]))
+        alloc = self._sample(*self._backward_phase([*self._bwd, name]), ("bwd_start", name))
         self._bwd[name] = _Span(name, alloc)
 
     def _on_backward_end(self, name: str) -> None:
@@ -591,18 +711,20 @@ class Tracker:
     def _on_backward_done(self) -> None:
         self._bwd_task = None
         if self._active and self._profiled:
-            self._end_backward(Phase.AFTER_BACKWARD)
+            self._end_backward(Phase.AFTER_BACKWARD, ("backward_done", ""))
 
     def _close_backward(self, name: str) -> None:
-        alloc = self._sample(*self._backward_phase(n for n in self._bwd if n != name))
+        alloc = self._sample(*self._backward_phase(n for n in self._bwd if n != name), ("bwd_end", name))
         span = self._bwd.pop(name)
-        self._bwd_delta[name] = max(self._bwd_delta[name], max(span.high, alloc) - span.start)
-
-    def _end_backward(self, kind: Phase) -> None:
-        """Sample, beginning phase ``kind``, and close every open backward span there."""
-        alloc = self._sample(kind)
-        for name, span in self._bwd.items():
+        if self._full:
             self._bwd_delta[name] = max(self._bwd_delta[name], max(span.high, alloc) - span.start)
+
+    def _end_backward(self, kind: Phase, event: tuple[str, str]) -> None:
+        """Sample, beginning phase ``kind``, and close every open backward span there."""
+        alloc = self._sample(kind, "", event)
+        if self._full:
+            for name, span in self._bwd.items():
+                self._bwd_delta[name] = max(self._bwd_delta[name], max(span.high, alloc) - span.start)
         self._bwd.clear()
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
@@ -628,7 +750,45 @@ class Tracker:
                 self._wrap_zero_grad(opt)
                 if self._primary is None:
                     self._primary = weakref.ref(opt)
+                if self._active and self._profiled:
+                    self._adopt_optimizer_state(opt)
         return known
+
+    def _adopt_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
+        """Count the state of an optimizer first met at its ``step()`` from the
+        beginning of this step. An optimizer creates its state only in
+        ``step()``, so what it holds now was there before the step began:
+        the samples taken so far called it temporaries (or, without the
+        allocator's counters, missed it)."""
+        led = self._ledger
+        before = led.totals[Category.OPTIMIZER_STATE]
+        with led.backdated():
+            self._record_optimizer_state(opt)
+        b = led.totals[Category.OPTIMIZER_STATE] - before
+        if not b:
+            return
+        counted = self._counters.available  # else the samples' totals are the ledger's sums
+        snapshots = [self._last_totals]
+        if self._peak is not None:
+            high, phase, totals, reserved, mark = self._peak
+            if totals is not self._last_totals:
+                snapshots.append(totals)
+            if not counted:
+                self._peak = (high + b, phase, totals, reserved, mark)
+        for totals in snapshots:
+            totals[Category.OPTIMIZER_STATE] = totals.get(Category.OPTIMIZER_STATE, 0) + b
+        if not counted:
+            self._last_alloc += b
+        i = 6 + _NAMED.index(Category.OPTIMIZER_STATE)  # (step, seq, phase, allocated, interval_peak, reserved, *named, temporaries)
+        for n, row in enumerate(self._rows):
+            row = list(row)
+            row[i] += b
+            if counted:
+                row[-1] -= b
+            else:
+                row[3] += b
+                row[4] += b
+            self._rows[n] = tuple(row)
 
     def _on_optimizer_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
         if not self._is_ours(opt) or not self._profiled:
@@ -651,7 +811,7 @@ class Tracker:
         return (args[0], wrapped, *args[2:]), kwargs
 
     def _enter_optimizer(self) -> None:
-        self._end_backward(Phase.OPTIMIZER_STEP)
+        self._end_backward(Phase.OPTIMIZER_STEP, ("optimizer", ""))
 
     def _on_optimizer_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self._is_ours(opt):
@@ -683,12 +843,12 @@ class Tracker:
             if t is None or not t._active or not t._profiled or not t._is_zero_grad_target(this):
                 return inherited(this, *args, **kwargs)
             resume = t._kind, t._phase_module
-            t._sample(Phase.ZERO_GRAD)
+            t._sample(Phase.ZERO_GRAD, "", ("zero_grad", ""))
             try:
                 return inherited(this, *args, **kwargs)
             finally:
                 if t._active and t._profiled:
-                    t._sample(*resume)
+                    t._sample(*resume, ("zero_grad_end", ""))
 
         own = cls.__dict__.get("zero_grad")
         try:
@@ -719,6 +879,9 @@ class Tracker:
         self._active = False
         self._pop_saved_hooks()
         self._unwrap_zero_grads()
+        if self._user_view is not None:
+            view, self._user_view = self._user_view, None
+            view.__exit__(None, None, None)
         for handle in (*self._step_handles, *self._handles):
             handle.remove()
         self._step_handles.clear()
@@ -769,6 +932,8 @@ def track(
     warmup: int = 3,
     every: int = 100,
     timeline_steps: int = 3,
+    history: int = 10_000,
+    full: bool = False,
 ) -> Tracker:
     """Attribute live training memory while the ``with`` block runs.
 
@@ -783,15 +948,29 @@ def track(
         print(prof.report())
 
     A step ends when the optimizer steps (found through PyTorch's global
-    optimizer hooks unless given). ``warmup`` steps are profiled in full, then
-    every ``every``-th step (``every=1``: all; ``0``: none after warmup); the
-    other steps cost one read of the allocator's counters. ``timeline_steps``
-    bounds the timeline to the samples of that many profiled steps.
+    optimizer hooks unless given). ``warmup`` steps are profiled, then every
+    ``every``-th step (``every=1``: all; ``0``: none after warmup); the other
+    steps cost one read of the allocator's counters.
+
+    The first profiled steps are full ones: the counters are read at every
+    module boundary. Once two of them peak at the same moment, the next
+    profiled steps read the counters only around that moment (and at the
+    step's coarse phases),
+    which costs a fraction; a step that peaks elsewhere makes the next
+    profiled step a full one again (``full=True``: every profiled step is a
+    full one; ``report().meta["full_profiles"]`` lists them). The timeline holds the samples of the
+    latest ``timeline_steps`` full steps; the steps table (``report().steps``)
+    the latest ``history`` steps.
 
     On CUDA, the categories of every sample add up to
     ``torch.cuda.memory_allocated()``, and a step's peak breakdown adds up to
-    its ``max_memory_allocated()``. To measure per-interval peaks the tracker
-    resets CUDA's peak counters: inside the block, read peaks from
-    ``report().steps`` rather than from ``torch.cuda.max_memory_allocated()``.
+    its ``max_memory_allocated()``. The tracker resets CUDA's peak counters
+    between samples, but inside the block ``torch.cuda.max_memory_allocated()``,
+    ``max_memory_reserved()`` and ``memory_stats()`` (and ``torch.accelerator``'s)
+    answer what they would without memprof; after the block, peaks count from
+    the end of its last step.
     """
-    return Tracker(model, optimizer, device=device, warmup=warmup, every=every, timeline_steps=timeline_steps)
+    return Tracker(
+        model, optimizer, device=device, warmup=warmup, every=every, timeline_steps=timeline_steps, history=history,
+        full=full,
+    )

@@ -6,6 +6,7 @@ from torch import nn
 
 import memprof
 from conftest import cuda
+from memprof import allocator
 from memprof.categories import ALLOCATED
 
 pytestmark = [cuda, pytest.mark.cuda]
@@ -162,3 +163,33 @@ def test_state_offload_is_tracked_on_the_gpu():
     assert r.peak.bytes["optimizer_state"] == 0  # m and v live on the host
     step_peak = int(r.steps.set_index("step").at[r.peak.step, "peak_allocated"])  # CUDA's own counter
     assert r.peak.allocated == pytest.approx(step_peak, rel=0.01)
+
+
+def _script_readings(step, steps: int = 4) -> list[tuple]:
+    """What a script that logs its peaks reads after each step (resetting them after the second)."""
+    out = []
+    for i in range(steps):
+        step()
+        s = torch.cuda.memory_stats()
+        peaks = [s[f"{k}.{p}.peak"] for k in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes")
+                 for p in ("all", "large_pool", "small_pool")]
+        out.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), *peaks))
+        if i == 1:
+            torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+@pytest.mark.parametrize("every", [1, 0])
+def test_scripts_peak_readings_are_left_alone(every):
+    """The tracker resets CUDA's peak counters between samples; the script's
+    own readings inside the block are what they are without memprof."""
+    model, opt, step = workload()
+    for _ in range(3):  # the allocator's cache and the optimizer's state settle
+        step()
+    torch.cuda.reset_peak_memory_stats()
+    untracked = _script_readings(step)
+    torch.cuda.reset_peak_memory_stats()
+    with memprof.track(model, warmup=3, every=every):
+        tracked = _script_readings(step)
+    assert tracked == untracked
+    assert torch._C._cuda_memoryStats is allocator._STATS["_cuda_memoryStats"]  # torch's own binding again
