@@ -66,7 +66,49 @@ def resnet(precision: str = "bf16", batch: int = 128, depth: int = 50) -> Worklo
     return Workload(f"resnet{depth} {precision} {batch}", model, opt, step)
 
 
+def bert(precision: str = "bf16", batch: int = 32, seq: int = 512) -> Workload:
+    """BERT-base masked-language model (HF ``BertForMaskedLM``), every token a label."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig()
+    model = BertForMaskedLM(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
+
+    def step() -> None:
+        with _autocast(precision):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Workload(f"bert-base {precision} {batch}x{seq}", model, opt, step)
+
+
+def vit(precision: str = "bf16", batch: int = 128) -> Workload:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.vit_b_16().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        with _autocast(precision):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Workload(f"vit_b_16 {precision} {batch}", model, opt, step)
+
+
 WORKLOADS: dict[str, Callable[[], Workload]] = {
+    "bert-bf16": lambda: bert("bf16"),
+    "vit-bf16": lambda: vit("bf16"),
     "gpt2-fp32": lambda: gpt2("fp32"),
     "gpt2-bf16": lambda: gpt2("bf16"),
     "resnet50-bf16": lambda: resnet("bf16"),
