@@ -24,16 +24,11 @@ def _autocast(precision: str):
     return contextlib.nullcontext()
 
 
-def gpt2(precision: str = "fp32", batch: int = 16, seq: int = 1024, **config) -> Workload:
-    """GPT-2 (124M unless ``config`` shrinks it) from its config (no download),
-    random tokens, loss inside the model."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(**config)
-    model = GPT2LMHeadModel(cfg).cuda()
+def _hf_lm(model: nn.Module, name: str, batch: int, seq: int, precision: str) -> Workload:
+    """A Hugging Face language model on random tokens, each its own label (loss inside the model)."""
+    model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
 
     def step() -> None:
         with _autocast(precision):
@@ -42,15 +37,22 @@ def gpt2(precision: str = "fp32", batch: int = 16, seq: int = 1024, **config) ->
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    size = "124M" if not config else f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
-    return Workload(f"gpt2-{size} {precision} {batch}x{seq}", model, opt, step)
+    return Workload(f"{name} {precision} {batch}x{seq}", model, opt, step)
 
 
-def resnet(precision: str = "bf16", batch: int = 128, depth: int = 50) -> Workload:
-    import torchvision
+def gpt2(precision: str = "fp32", batch: int = 16, seq: int = 1024, **config) -> Workload:
+    """GPT-2 (124M unless ``config`` shrinks it) from its config (no download)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = getattr(torchvision.models, f"resnet{depth}")().cuda()
+    model = GPT2LMHeadModel(GPT2Config(**config))
+    size = "124M" if not config else f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M"
+    return _hf_lm(model, f"gpt2-{size}", batch, seq, precision)
+
+
+def _vision(model: nn.Module, name: str, batch: int, precision: str) -> Workload:
+    """An image classifier on random 224x224 images, cross-entropy outside the model."""
+    model = model.cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     y = torch.randint(0, 1000, (batch,), device="cuda")
@@ -63,7 +65,14 @@ def resnet(precision: str = "bf16", batch: int = 128, depth: int = 50) -> Worklo
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return Workload(f"resnet{depth} {precision} {batch}", model, opt, step)
+    return Workload(f"{name} {precision} {batch}", model, opt, step)
+
+
+def resnet(precision: str = "bf16", batch: int = 128, depth: int = 50) -> Workload:
+    import torchvision
+
+    torch.manual_seed(0)
+    return _vision(getattr(torchvision.models, f"resnet{depth}")(), f"resnet{depth}", batch, precision)
 
 
 def bert(precision: str = "bf16", batch: int = 32, seq: int = 512) -> Workload:
@@ -71,39 +80,14 @@ def bert(precision: str = "bf16", batch: int = 32, seq: int = 512) -> Workload:
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    cfg = BertConfig()
-    model = BertForMaskedLM(cfg).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda")
-
-    def step() -> None:
-        with _autocast(precision):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return Workload(f"bert-base {precision} {batch}x{seq}", model, opt, step)
+    return _hf_lm(BertForMaskedLM(BertConfig()), "bert-base", batch, seq, precision)
 
 
 def vit(precision: str = "bf16", batch: int = 128) -> Workload:
     import torchvision
 
     torch.manual_seed(0)
-    model = torchvision.models.vit_b_16().cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(batch, 3, 224, 224, device="cuda")
-    y = torch.randint(0, 1000, (batch,), device="cuda")
-    loss_fn = nn.CrossEntropyLoss()
-
-    def step() -> None:
-        with _autocast(precision):
-            loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return Workload(f"vit_b_16 {precision} {batch}", model, opt, step)
+    return _vision(torchvision.models.vit_b_16(), "vit_b_16", batch, precision)
 
 
 WORKLOADS: dict[str, Callable[[], Workload]] = {

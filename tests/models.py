@@ -47,3 +47,19 @@ class FF(nn.Module):
 
     def forward(self, x):
         return x + self.fc2(self.act(self.fc1(x)))
+
+
+def adam_linear():
+    """Adam's foreach temporaries on a 4 MiB weight and a one-row batch: on a
+    (simulated) GPU the steady step peaks inside optimizer.step(). A setup
+    for memprof.simulate: (model, optimizer, step)."""
+    model = nn.Linear(1024, 1024, bias=False).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(1, 1024, device="cuda")
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step

@@ -20,6 +20,7 @@ from memprof import allocator
 from memprof.devices import get_gpu
 from memprof.simulate import SimulatedAllocator
 from memprof.virtual_cuda import VirtualCUDA
+from models import adam_linear
 
 MiB = 1 << 20
 
@@ -50,20 +51,6 @@ def mlp_ce(opt_cls=torch.optim.SGD, ckpt=False):
 
     def step():
         F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    return model, opt, step
-
-
-def adam_linear():
-    """Adam's foreach temporaries on a 4 MiB weight: the peak is in optimizer.step()."""
-    model = nn.Linear(1024, 1024, bias=False).cuda()
-    opt = torch.optim.Adam(model.parameters())
-    x = torch.randn(1, 1024, device="cuda")
-
-    def step():
-        model(x).sum().backward()
         opt.step()
         opt.zero_grad()
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memprof
-from models import FF, MiB, TiedLM, mlp, train
+from models import FF, MiB, TiedLM, adam_linear, mlp, train
 
 A = "activations"
 
@@ -530,19 +530,7 @@ def test_peak_in_loss_outside_the_model():
 def test_peak_in_optimizer_step_simulated():
     """Adam's foreach temporaries (CUDA's default) on a 4 MiB weight and a
     one-row batch: the steady step peaks inside optimizer.step()."""
-
-    def setup():
-        model = nn.Linear(1024, 1024, bias=False).cuda()
-        opt = torch.optim.Adam(model.parameters())
-        x = torch.randn(1, 1024, device="cuda")
-
-        def step():
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-
-        return model, opt, step
-
+    setup = adam_linear
     r = _simulated(setup, steps=3)
     assert r.peak.phase == "optimizer step" and r.peak.step == 2
     assert [r.peak.bytes[c] for c in ("parameters", "gradients", "optimizer_state")] == [4 * MiB, 4 * MiB, 8 * MiB]
