@@ -101,16 +101,15 @@ class _Span:
 
 
 class _Plan:
-    """What the last full profile found, for the cheap profiled steps after it.
+    """What full profiles found, for the cheap profiled steps after them.
 
-    A step repeats the one before it, so after full profiles (the counters
-    read at every module boundary) of two steps that peak in the same
-    interval, the next profiled steps read them only at
-    the boundaries of the interval that held the peak (``bracket``: the two
-    samples, each an event and its occurrence in the step) and at the step's
-    coarse moments (the root's forward and backward, loss, optimizer,
-    zero_grad). If a cheap step's peak falls elsewhere, the step has changed
-    and the next profiled step is a full one again.
+    A step repeats the one before it. Once two full profiles (the counters
+    read at every sample) peak in the same interval, the next profiled steps
+    read the counters only at that interval's two samples (``bracket``: each
+    an event and its occurrence in the step) and at the step's coarse
+    moments (the root's forward and backward, loss, optimizer, zero_grad).
+    If a cheap step's peak falls elsewhere, the step has changed and the next
+    profiled steps are full ones again.
     """
 
     __slots__ = ("bracket", "events", "modules", "phase")
