@@ -44,6 +44,11 @@ def _peak_stats(stats: dict) -> Iterator[tuple[tuple[str, str], dict]]:
                         yield (name, pool), d
 
 
+def _counters(stats: dict) -> Counters:
+    a, r = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
+    return Counters(a["current"], r["current"], a["peak"], r["peak"])
+
+
 class KeptPeaks:
     """The highest value of every peak statistic across resets that the user
     did not ask for: what the allocator's peaks would read without them."""
@@ -100,9 +105,7 @@ class DeviceCounters:
     def read(self) -> Counters | None:
         if not self.available:
             return None
-        s = self._stats()
-        a, r = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
-        return Counters(a["current"], r["current"], a["peak"], r["peak"])
+        return _counters(self._stats())
 
     def read_and_reset(self) -> Counters | None:
         """:meth:`read`, then :meth:`reset_peak`, with one read of the statistics."""
@@ -111,8 +114,7 @@ class DeviceCounters:
         s = self._stats()
         self.kept.fold(s)
         self._reset_raw()
-        a, r = s["allocated_bytes"]["all"], s["reserved_bytes"]["all"]
-        return Counters(a["current"], r["current"], a["peak"], r["peak"])
+        return _counters(s)
 
     def reset_peak(self) -> None:
         """Reset the peaks for the tracker, keeping what the user would read."""

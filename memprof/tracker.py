@@ -244,6 +244,7 @@ class Tracker:
             if self._optimizer is not None:
                 self._optimizers[self._optimizer()] = True
                 self._wrap_zero_grad(self._optimizer())
+            self._counters.reset_peak()  # later steps begin where the last one's counters were read and reset
             self._begin_step()
         except BaseException:
             self._close()
@@ -299,7 +300,6 @@ class Tracker:
     def _begin_step(self) -> None:
         self._forwards = 0
         self._profiled = self._should_profile(self.step)
-        self._counters.reset_peak()
         if self._profiled:
             self._start_profile()
         self._t0 = self._timed()
@@ -318,7 +318,7 @@ class Tracker:
             peak = self._last
             row = (self.step, True, peak.allocated, self._reserved_high, self._last_alloc, self._last_reserved, seconds)
         else:
-            c = self._counters.read()
+            c = self._counters.read_and_reset()
             if c is None:  # no allocator counters on the CPU: only profiled steps are measured
                 row = (self.step, False, None, None, None, None, seconds)
             else:
