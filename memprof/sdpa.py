@@ -347,17 +347,32 @@ _cudnn_gqa: list[bool] = []
 
 def _cudnn_gqa_on_meta() -> bool:
     """Whether this torch's meta kernels run cuDNN attention with grouped heads, forward and backward
-    (torch 2.13 does; 2.11's backward cannot), asked once with tiny tensors."""
+    (torch 2.13 does; 2.11's backward cannot), asked once with tiny tensors.
+
+    Asked apart from the caller's context, which may be the first attention
+    of a checkpointed block under ``no_grad`` or inside a Python mode: the
+    probe's saved tensors would otherwise join the block's (and break its
+    recomputation's count), and its backward could fail for the context's
+    sake, not the kernel's."""
     if not _cudnn_gqa:
-        try:
-            q = torch.empty(1, 4, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
-            kv = torch.empty(1, 2, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
-            out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kv, kv, None, True, 0.0, True, False)[0]
-            torch.autograd.grad(out.sum(), (q, kv))
-            _cudnn_gqa.append(True)
-        except Exception:
-            _cudnn_gqa.append(False)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), torch._C.DisableTorchFunction():
+            _cudnn_gqa.append(_probe_cudnn_gqa())
     return _cudnn_gqa[0]
+
+
+def _same(x):
+    return x
+
+
+def _probe_cudnn_gqa() -> bool:
+    try:
+        q = torch.empty(1, 4, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        kv = torch.empty(1, 2, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kv, kv, None, True, 0.0, True, False)[0]
+        torch.autograd.grad(out.sum(), (q, kv))
+        return True
+    except Exception:
+        return False
 
 
 class _CudnnGroupedAttention(torch.autograd.Function):

@@ -129,3 +129,37 @@ def test_simulated_attention_forward_matches_the_gpu():
             del out
         checked += 1
     assert checked == 18
+
+
+@pytest.mark.parametrize("context", ["checkpointed", "no_grad"])
+def test_kernel_probe_stays_out_of_the_callers_context(monkeypatch, context):
+    """The simulation asks once whether this torch's meta kernels run cuDNN
+    attention with grouped heads. Asked first inside a checkpointed block, the
+    probe's saved tensors joined the block's (the recomputation then saved
+    fewer, and backward raised CheckpointError); asked under no_grad its own
+    backward failed. Either way the answer must be the one asked alone."""
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    import memprof.sdpa as sdpa
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+    from memprof.virtual_cuda import VirtualCUDA
+
+    alone = sdpa._probe_cudnn_gqa()
+    monkeypatch.setattr(sdpa, "_cudnn_gqa", [])
+    gpu = get_gpu("h200")
+
+    def block(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+
+    with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)):
+        q = torch.randn(2, 8, 128, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        kv = torch.randn(2, 2, 128, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        if context == "no_grad":
+            with torch.no_grad():
+                block(q, kv, kv)
+        else:
+            checkpoint(block, q, kv, kv, use_reentrant=False).sum().backward()
+            assert q.grad.shape == q.shape and kv.grad.shape == kv.shape
+    assert sdpa._cudnn_gqa == [alone]
