@@ -52,6 +52,7 @@ equal size the model may pick a different one than the device would.
 
 from __future__ import annotations
 
+import copy
 from bisect import bisect_left, insort
 
 __all__ = [
@@ -190,6 +191,24 @@ class CachingAllocatorModel:
         self._handles: dict[int, _Block | None] = {}
         self._next_handle = 1
         self._next_address = _BASE_ADDRESS
+
+    def __deepcopy__(self, memo: dict) -> "CachingAllocatorModel":
+        # The blocks of a segment form a linked list (thousands long in a
+        # small-pool segment): copied link by link, copy.deepcopy would recurse
+        # once per block and overflow Python's stack. Copy the blocks, then link.
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        blocks = {a: copy.copy(b) for a, b in self._blocks.items()}
+        for b in blocks.values():
+            b.prev = b.prev and blocks[b.prev.addr]
+            b.next = b.next and blocks[b.next.addr]
+        new.__dict__.update(self.__dict__)
+        new._blocks = blocks
+        new._whole_free = {s: blocks[b.addr] for s, b in self._whole_free.items()}
+        new._handles = {h: b and blocks[b.addr] for h, b in self._handles.items()}
+        new._free_small, new._free_large = list(self._free_small), list(self._free_large)
+        new._segments = dict(self._segments)
+        return new
 
     # ------------------------------------------------------------------ API
 

@@ -557,3 +557,30 @@ def test_random_events_keep_invariants_and_match_reference(seed, capacity):
     m.empty_cache()
     # Everything is free: every segment is whole again and released.
     assert (m.reserved, m.num_segments) == (0, 0)
+
+
+def test_deepcopy_of_a_segment_split_into_thousands_of_blocks():
+    """A 2 MiB small-pool segment cut into 4096 blocks of 512 bytes is one
+    linked list; the copy is independent and replays the same from there."""
+    import copy
+
+    m = CachingAllocatorModel()
+    handles = [m.malloc(512) for _ in range(4096)]
+    for h in handles[::2]:
+        m.free(h)
+    assert m.num_segments == 1
+    c = copy.deepcopy(m)
+    assert c.layout() == m.layout() and c.stats() == m.stats()
+    c.check_invariants()
+    before = c.layout()
+    for h in handles[1::2]:
+        m.free(h)
+    m.malloc(2 * 2**20)
+    assert c.layout() == before  # the original's frees left the copy alone
+    for h in handles[1::2]:
+        c.free(h)
+    c.malloc(2 * 2**20)
+    assert c.layout() == m.layout() and c.stats() == m.stats()
+    # the small segment, now one free block, and a 20 MiB large segment (kLargeBuffer)
+    assert c.reserved == m.reserved == (2 + 20) * 2**20
+    c.check_invariants()
