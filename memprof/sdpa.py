@@ -349,13 +349,14 @@ def _cudnn_gqa_on_meta() -> bool:
     """Whether this torch's meta kernels run cuDNN attention with grouped heads, forward and backward
     (torch 2.13 does; 2.11's backward cannot), asked once with tiny tensors.
 
-    Asked apart from the caller's context, which may be the first attention
-    of a checkpointed block under ``no_grad`` or inside a Python mode: the
-    probe's saved tensors would otherwise join the block's (and break its
-    recomputation's count), and its backward could fail for the context's
+    Asked under the simulation's device, as the attention would run, but
+    apart from the caller's autograd context, which may be the first
+    attention of a checkpointed block or of a ``no_grad`` region: the probe's
+    saved tensors would otherwise join the block's (and break its
+    recomputation's count), and its backward would fail for the context's
     sake, not the kernel's."""
     if not _cudnn_gqa:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same), torch._C.DisableTorchFunction():
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             _cudnn_gqa.append(_probe_cudnn_gqa())
     return _cudnn_gqa[0]
 

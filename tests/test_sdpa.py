@@ -146,14 +146,15 @@ def test_kernel_probe_stays_out_of_the_callers_context(monkeypatch, context):
     from memprof.simulate import SimulatedAllocator
     from memprof.virtual_cuda import VirtualCUDA
 
-    alone = sdpa._probe_cudnn_gqa()
-    monkeypatch.setattr(sdpa, "_cudnn_gqa", [])
     gpu = get_gpu("h200")
 
     def block(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
 
     with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)):
+        monkeypatch.setattr(sdpa, "_cudnn_gqa", [])
+        alone = sdpa._cudnn_gqa_on_meta()  # asked first outside any autograd context
+        monkeypatch.setattr(sdpa, "_cudnn_gqa", [])
         q = torch.randn(2, 8, 128, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         kv = torch.randn(2, 2, 128, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         if context == "no_grad":
