@@ -357,23 +357,19 @@ def _cudnn_gqa_on_meta() -> bool:
     sake, not the kernel's."""
     if not _cudnn_gqa:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            _cudnn_gqa.append(_probe_cudnn_gqa())
+            try:
+                q = torch.empty(1, 4, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+                kv = torch.empty(1, 2, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+                out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kv, kv, None, True, 0.0, True, False)[0]
+                torch.autograd.grad(out.sum(), (q, kv))
+                _cudnn_gqa.append(True)
+            except Exception:
+                _cudnn_gqa.append(False)
     return _cudnn_gqa[0]
 
 
 def _same(x):
     return x
-
-
-def _probe_cudnn_gqa() -> bool:
-    try:
-        q = torch.empty(1, 4, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
-        kv = torch.empty(1, 2, 8, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kv, kv, None, True, 0.0, True, False)[0]
-        torch.autograd.grad(out.sum(), (q, kv))
-        return True
-    except Exception:
-        return False
 
 
 class _CudnnGroupedAttention(torch.autograd.Function):
