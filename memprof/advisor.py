@@ -27,7 +27,7 @@ import torch
 from .categories import Category
 from .devices import GPU, get_gpu
 from .report import Report
-from .simulate import NON_PYTORCH_BYTES
+from .simulate import usable_bytes
 from .units import fmt_bytes
 from .workload import Workload, split_batch
 
@@ -48,7 +48,7 @@ def parse_budget(budget: int | str | GPU) -> tuple[int, GPU | None]:
     libraries take outside PyTorch.
     """
     if isinstance(budget, GPU):
-        return budget.memory_bytes - NON_PYTORCH_BYTES, budget
+        return usable_bytes(budget), budget
     if isinstance(budget, int) and not isinstance(budget, bool):
         if budget <= 0:
             raise ValueError(f"budget must be positive, got {budget}")
@@ -65,7 +65,7 @@ def parse_budget(budget: int | str | GPU) -> tuple[int, GPU | None]:
         gpu = get_gpu(text)
     except ValueError as exc:
         raise ValueError(f"budget {text!r} is neither a size (e.g. 24GiB, 80GB) nor a GPU: {exc}") from None
-    return gpu.memory_bytes - NON_PYTORCH_BYTES, gpu
+    return usable_bytes(gpu), gpu
 
 
 def default_plans(world_size: int = 1, pure_bf16: bool = False, gpu: GPU | None = None) -> dict[str, PlanFactory]:

@@ -55,6 +55,8 @@ from __future__ import annotations
 import copy
 from bisect import bisect_left, insort
 
+import torch
+
 __all__ = [
     "CachingAllocatorModel",
     "SimulatedOOM",
@@ -109,9 +111,14 @@ def _fmt(nbytes: int) -> str:
     return f"{nbytes / 1073741824:.2f} GiB"
 
 
-class SimulatedOOM(Exception):
+class SimulatedOOM(torch.OutOfMemoryError):
     """The model's ``torch.OutOfMemoryError``: a new segment did not fit in
-    ``capacity`` even after the cached segments were released."""
+    ``capacity`` even after the cached segments were released.
+
+    A subclass of PyTorch's own error, with the opening words of its message
+    ("CUDA out of memory. Tried to allocate ..."), so that a script's
+    ``except torch.cuda.OutOfMemoryError`` (or a library's test of the
+    message, e.g. to retry with a smaller batch) sees it as on the GPU."""
 
     def __init__(self, requested: int, alloc_size: int, reserved: int, allocated: int, capacity: int) -> None:
         self.requested = requested
@@ -120,12 +127,14 @@ class SimulatedOOM(Exception):
         self.allocated = allocated
         self.capacity = capacity
         super().__init__(
-            f"simulated CUDA out of memory: requested {requested} bytes "
-            f"({_fmt(requested)}; tried to allocate a {_fmt(alloc_size)} segment); "
-            f"capacity {_fmt(capacity)}, reserved {reserved} bytes ({_fmt(reserved)}), "
+            f"CUDA out of memory. Tried to allocate {_fmt(requested)} (simulated: requested {requested} bytes, "
+            f"a {_fmt(alloc_size)} segment); capacity {_fmt(capacity)}, reserved {reserved} bytes ({_fmt(reserved)}), "
             f"allocated {allocated} bytes ({_fmt(allocated)}), "
             f"reserved but unallocated {_fmt(reserved - allocated)}"
         )
+
+    def __reduce__(self):  # picklable (e.g. across processes) with its numbers
+        return type(self), (self.requested, self.alloc_size, self.reserved, self.allocated, self.capacity)
 
 
 class _Block:

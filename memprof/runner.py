@@ -257,6 +257,7 @@ def observe_script(
     on_model: Callable[[nn.Module, torch.optim.Optimizer], None] | None = None,
     on_step: Callable[[Tracker], bool] | None = None,
     target: str | None = None,
+    oom: bool = True,
 ) -> Report:
     """Run a training script as ``python path *args`` would, and measure ``steps`` training steps.
 
@@ -266,7 +267,10 @@ def observe_script(
     observation early by returning False (the advisor changes plans there;
     the timeline keeps every tracked step). With
     ``target`` (a GPU of the catalogue) the script runs on that simulated GPU
-    (``memprof.virtual_cuda``) and the report is a prediction.
+    (``memprof.virtual_cuda``) and the report is a prediction; with ``oom``
+    it runs out of memory where that GPU would (``torch.OutOfMemoryError``
+    in the script), else it grows past the GPU's memory (the advisor's
+    measure of what a plan needs).
 
     ``warmup`` optimizer steps run untracked first (at least 1: the first step
     is how the model and optimizer are found; Adam creates its state there),
@@ -290,11 +294,11 @@ def observe_script(
     device, gpu = contextlib.nullcontext(), None
     if target is not None:
         from .devices import get_gpu
-        from .simulate import SimulatedAllocator
+        from .simulate import SimulatedAllocator, usable_bytes
         from .virtual_cuda import VirtualCUDA
 
         gpu = get_gpu(target)
-        device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu))
+        device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu, capacity=usable_bytes(gpu) if oom else None))
 
     observer = _Observer(steps, warmup, timeout, on_model, simulated=gpu is not None, on_step=on_step)
     saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
@@ -309,6 +313,8 @@ def observe_script(
                     runpy.run_path(str(path), run_name="__main__")
                 except BaseException as exc:  # the script's own errors, exits and Ctrl-C, and our _Stop
                     outcome = exc
+                    if isinstance(exc, torch.OutOfMemoryError) and observer.tracker is not None:
+                        observer.tracker.record_oom(exc)  # while what it failed on is still live
             finally:
                 observer.close()  # every hook and the tracker, before the simulated device goes
     finally:
@@ -350,6 +356,17 @@ def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outco
                 "(memprof passes those given after --)"
             )
         raise ScriptError(f"{msg} after {done} of {steps} tracked steps", report)
+    if isinstance(outcome, torch.OutOfMemoryError):
+        where = _where(outcome, Path(path).resolve())
+        gpu = f"the simulated {device.gpu.name}" if device is not None else "the GPU"
+        if tracker is not None and tracker.oom_files is not None:
+            raise ScriptError(
+                f"the script ran out of memory on {gpu}{where} in tracked step {done}; what was live then, by "
+                f"category and module, is in {tracker.oom_files[0]} and {tracker.oom_files[1]}", report) from outcome
+        raise ScriptError(
+            f"the script ran out of memory on {gpu}{where} before memprof could track a step ({outcome}); "
+            "`memprof advise` with this GPU as the budget simulates what each plan needs and which fit", report,
+        ) from outcome
     if failed:
         what = f"the script raised {type(outcome).__name__}: {outcome}{_where(outcome, Path(path).resolve())}"
         if report is None:

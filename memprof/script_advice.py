@@ -455,6 +455,7 @@ def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> 
             report = observe_script(
                 path, args, steps=schedule.steps * before + 1, warmup=1, timeout=timeout,
                 on_model=schedule.on_model, on_step=schedule.on_step, target=gpu.name if simulate else None,
+                oom=False,  # a plan's full size is what is ranked, fitting or not
             )
         except ScriptError as exc:
             if schedule.baseline is None:

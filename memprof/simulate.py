@@ -38,7 +38,7 @@ from .report import Report
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
 
-__all__ = ["SimulatedAllocator", "TimeModel", "simulate", "cublas_workspace_bytes", "replay_step"]
+__all__ = ["SimulatedAllocator", "TimeModel", "simulate", "cublas_workspace_bytes", "replay_step", "usable_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 # handles. Measured on an H200 with torch 2.11 (NVML used - reserved):
 # 1.33-1.35 GiB (benchmarks/results/attribution.json).
 NON_PYTORCH_BYTES = 1_450_000_000
+
+
+def usable_bytes(gpu: GPU) -> int:
+    """The device memory PyTorch's allocator can reserve on ``gpu``: its memory less what lies outside PyTorch."""
+    return gpu.memory_bytes - NON_PYTORCH_BYTES
 
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "addmv", "mv", "_addmm_activation"}
 _HALF = (torch.float16, torch.bfloat16)
@@ -387,12 +392,18 @@ def simulate(
     never materialised and a 7 B model costs nothing to build.
 
     Returns the same :class:`memprof.Report` as :func:`memprof.track`, with
-    ``source == "simulate"`` and the target in ``meta``.
+    ``source == "simulate"`` and the target in ``meta``. A step that does not
+    fit raises ``torch.OutOfMemoryError`` (:class:`memprof.caching.SimulatedOOM`)
+    at the allocation that would fail on the target (its memory less what
+    lies outside PyTorch), after writing what was live then, as
+    :func:`memprof.track` does; :func:`memprof.advise` tells what a step needs
+    beyond the capacity.
     """
     gpu = get_gpu(target)
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    allocator = SimulatedAllocator(gpu)
+    # The target's capacity: the step runs out of memory where the GPU would.
+    allocator = SimulatedAllocator(gpu, capacity=usable_bytes(gpu))
     with VirtualCUDA(gpu, allocator=allocator) as device:
         with torch.device("meta") if on_meta else nullcontext():
             built = setup()

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 import time
 import weakref
 from collections import defaultdict, deque
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import pandas as pd
@@ -140,6 +143,7 @@ class Tracker:
         timeline_steps: int = 3,
         history: int = 10_000,
         full: bool = False,
+        oom_dir: str | os.PathLike | None = ".",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"memprof.track needs an nn.Module, got {type(model).__name__}: pass your model, e.g. track(model)")
@@ -203,6 +207,10 @@ class Tracker:
         self._plan: _Plan | None = None
         self._last_bracket: tuple | None = None  # the peak's interval in the last full step
         self._always_full = full
+        self._oom_dir = oom_dir
+        self._failed: tuple[BaseException, str] | None = None  # an out-of-memory error and where it struck
+        #: The forensic report's JSON and HTML paths, once an out-of-memory error left the block.
+        self.oom_files: tuple[Path, Path] | None = None
         self._full_steps: deque[int] = deque(maxlen=history)
         self._full = True  # whether the current profiled step reads the counters at every boundary
         # The model's parameters with their owner and name, found by full steps.
@@ -255,8 +263,61 @@ class Tracker:
         try:
             if self._forwards and exc[0] is None:
                 self._end_step()
+            elif isinstance(exc[1], torch.OutOfMemoryError):
+                self.record_oom(exc[1])
         finally:
             self._close()
+
+    def record_oom(self, error: BaseException) -> None:
+        """Save (to ``oom_dir``: :attr:`oom_files`) and log what was live as
+        ``error`` struck; called on exit when an out-of-memory error leaves the
+        block, or by whoever catches it inside. Never raises: a failure here is
+        logged, and the caller's error is what matters."""
+        from . import oom
+
+        try:
+            report = self.oom_report(error)
+            if self._oom_dir is not None:
+                self.oom_files = oom.save(report, self._oom_dir)
+            log.error("%s", oom.explain(report, self.oom_files))
+        except Exception as exc:  # the user's error matters more than ours
+            log.warning("memprof could not record the out-of-memory error's breakdown: %s: %s", type(exc).__name__, exc)
+
+    def oom_report(self, error: BaseException) -> Report:
+        """The report, with its ``peak`` and module table taken now, as ``error``
+        (an out-of-memory error raised inside the block) struck: every live
+        storage by category and module, allocated and reserved from the
+        allocator. In a profiled step activations are named; in a light one
+        what is not a parameter, gradient, buffer or optimizer state counts as
+        temporaries. ``meta["out_of_memory"]`` holds the error and, for a
+        simulated GPU, the bytes requested and the capacity."""
+        for opt in list(self._optimizers.keys()):  # state the failing step created (Adam's first)
+            self._record_optimizer_state(opt)
+        report = self.report()
+        totals = self._ledger.snapshot()
+        c = self._counters.read()
+        alloc = c.allocated if c is not None else sum(totals.values())
+        counts = {cat.value: totals.get(cat, 0) for cat in _NAMED}
+        counts[Category.TEMPORARIES.value] = alloc - sum(counts.values())
+        if c is not None:
+            counts[Category.FRAGMENTATION.value] = max(c.reserved - alloc, 0)
+        if self._failed is not None and self._failed[0] is error:
+            phase = self._failed[1]  # in a forward, which has unwound since
+        else:
+            phase = self._phase_now() if self._profiled else "light step (not profiled)"
+        report.peak = Breakdown(step=self.step, phase=phase, bytes=counts)
+        report.modules = self._table(self._module_rows(self._ledger.by_module()))
+        gpu = getattr(self._counters, "gpu", None)  # a simulated GPU's allocator knows its target
+        if gpu is not None:
+            report.source = "simulate"
+            report.meta["target"] = gpu.name
+        report.meta["out_of_memory"] = {
+            "error": f"{type(error).__name__}: {error}",
+            **{k: getattr(error, k) for k in ("requested", "capacity") if hasattr(error, k)},
+            "allocated": alloc,
+            "reserved": c.reserved if c is not None else None,
+        }
+        return report
 
     @property
     def last_peak(self) -> Breakdown | None:
@@ -266,12 +327,7 @@ class Tracker:
     def report(self) -> Report:
         """What was measured so far (callable inside or after the ``with`` block)."""
         peak = self._reported
-        names = list(self._types)
-        modules = pd.DataFrame(
-            [{"type": self._types[n], **{c: self._modules.get(n, {}).get(c, 0) for c in MODULE_COLUMNS[1:]}} for n in names],
-            index=pd.Index(names, name="module"),
-            columns=MODULE_COLUMNS,
-        )
+        modules = self._table(self._modules)
         cols = ["step", "seq", "phase", "allocated", "interval_peak", "reserved", *[c.value for c in ALLOCATED]]
         timeline = pd.DataFrame([r for rows in self._timeline for r in rows], columns=cols)
         meta = {
@@ -291,6 +347,18 @@ class Tracker:
             steps=pd.DataFrame(self._steps, columns=STEP_COLUMNS),
             source="track",
             meta=meta,
+        )
+
+    def _phase_now(self) -> str:
+        # A cheap step names the phase without sampling (self._phase is its last sample's).
+        return f"{self._kind.value} {self._phase_module}" if self._phase_module else self._kind.value
+
+    def _table(self, rows: dict[str, dict[str, int]]) -> pd.DataFrame:
+        names = list(self._types)
+        return pd.DataFrame(
+            [{"type": self._types[n], **{c: rows.get(n, {}).get(c, 0) for c in MODULE_COLUMNS[1:]}} for n in names],
+            index=pd.Index(names, name="module"),
+            columns=MODULE_COLUMNS,
         )
 
     # -- steps -----------------------------------------------------------------
@@ -581,6 +649,12 @@ class Tracker:
         name = self._names.get(module)
         if name is None or not self._fwd or self._fwd[-1].name != name:
             return
+        if output is None and self._failed is None:
+            # Called (always_call) while an error unwinds the forward: note
+            # where it struck before the phases unwind with it.
+            error = sys.exc_info()[1]
+            if isinstance(error, torch.OutOfMemoryError):
+                self._failed = (error, self._phase_now())
         span = self._fwd[-1]
         outer = len(self._fwd) == 1
         if outer:
@@ -886,6 +960,7 @@ class Tracker:
         self._step_handles.clear()
         self._handles.clear()
         self._ledger.clear()
+        self._failed = None  # the error holds the failed step's frames and tensors
         if _active is not None and _active() is self:
             _active = None
 
@@ -933,6 +1008,7 @@ def track(
     timeline_steps: int = 3,
     history: int = 10_000,
     full: bool = False,
+    oom_dir: str | os.PathLike | None = ".",
 ) -> Tracker:
     """Attribute live training memory while the ``with`` block runs.
 
@@ -968,8 +1044,14 @@ def track(
     ``max_memory_reserved()`` and ``memory_stats()`` (and ``torch.accelerator``'s)
     answer what they would without memprof; after the block, peaks count from
     the end of its last step.
+
+    When ``torch.OutOfMemoryError`` (also a simulated GPU's) leaves the block,
+    what was live at that moment, by category and module, is written to
+    ``memprof-oom-<time>.json`` and ``.html`` in ``oom_dir`` (None: nowhere;
+    :meth:`Tracker.oom_report` builds it) and explained in one logged
+    paragraph; the error propagates unchanged.
     """
     return Tracker(
         model, optimizer, device=device, warmup=warmup, every=every, timeline_steps=timeline_steps, history=history,
-        full=full,
+        full=full, oom_dir=oom_dir,
     )

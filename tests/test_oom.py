@@ -1,0 +1,165 @@
+"""Out of memory: the simulated GPU runs out where the target would, and what was live then is kept.
+
+Exact bytes from shapes; the error the caller receives is the one raised.
+"""
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import memprof
+from memprof import Report
+from memprof.caching import SimulatedOOM
+from memprof.devices import get_gpu
+from memprof.simulate import usable_bytes
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_cli import memprof as memprof_cli  # noqa: E402
+
+MiB = 2**20
+WIDTH = 8192
+LAYER = (WIDTH * WIDTH + WIDTH) * 4  # one Linear(8192, 8192)'s fp32 weight and bias
+
+
+def _wide(layers: int, batch: int):
+    def setup():
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(layers)]).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randn(batch, WIDTH, device="cuda")
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        return model, opt, step
+
+    return setup
+
+
+def test_simulation_runs_out_where_the_target_would(tmp_path, monkeypatch, caplog):
+    """12 Linear(8192, 8192) with AdamW on an RTX 3060: 4.5 GiB of weights and
+    4.5 of gradients fit in its 10.65 GiB, Adam's two states of 4.5 GiB each do not."""
+    monkeypatch.chdir(tmp_path)
+    gpu = get_gpu("rtx3060")
+    with caplog.at_level(logging.ERROR, logger="memprof"), pytest.raises(torch.OutOfMemoryError) as info:
+        memprof.simulate(_wide(12, 64), target="rtx3060", steps=2)
+    error = info.value
+    assert isinstance(error, SimulatedOOM)
+    assert str(error).startswith("CUDA out of memory. Tried to allocate 256.00 MiB")  # PyTorch's own opening
+    assert error.capacity == usable_bytes(gpu) and error.requested == WIDTH * WIDTH * 4
+    assert error.reserved + error.alloc_size > error.capacity
+    (json_path,) = tmp_path.glob("memprof-oom-*.json")
+    assert json_path.with_suffix(".html").exists()
+    r = Report.load(json_path)
+    info = r.meta["out_of_memory"]
+    assert r.source == "simulate" and r.meta["target"] == gpu.name
+    assert info["requested"] == error.requested and info["capacity"] == error.capacity
+    assert r.peak.phase == "optimizer step" and r.peak.step == 0
+    assert r.peak.bytes["parameters"] == 12 * LAYER
+    assert r.peak.bytes["gradients"] == 12 * LAYER
+    assert r.peak.allocated == info["allocated"] == error.allocated
+    # Adam creates exp_avg and exp_avg_sq for every parameter before it steps: what it made
+    # before the failing 256 MiB is optimizer state, and the largest category.
+    state = r.peak.bytes["optimizer_state"]
+    assert state > r.peak.bytes["parameters"] and r.modules.loc["Sequential", "optimizer_state"] == state
+    (message,) = [m for m in caplog.messages if m.startswith("out of memory")]
+    assert "The largest category was optimizer_state" in message and json_path.name in message
+
+
+def test_a_forward_that_does_not_fit_names_where(tmp_path, monkeypatch, caplog):
+    """Each Linear(8192, 8192) saves its 2 GiB input (65536 x 8192 fp32): a few
+    layers in, the next output no longer fits, and the breakdown says where."""
+    monkeypatch.chdir(tmp_path)
+
+    def setup():
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(8)]).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(65536, WIDTH, device="cuda")
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+
+        return model, opt, step
+
+    with caplog.at_level(logging.ERROR, logger="memprof"), pytest.raises(torch.OutOfMemoryError) as info:
+        memprof.simulate(setup, target="rtx3060", steps=1)
+    assert info.value.requested == 65536 * WIDTH * 4
+    (json_path,) = tmp_path.glob("memprof-oom-*.json")
+    r = Report.load(json_path)
+    # Struck inside a layer's forward: the phase is that layer's, not the unwound one's.
+    assert r.peak.phase.startswith("forward Sequential.")
+    assert r.peak.bytes["parameters"] == 8 * LAYER
+    assert r.peak.bytes["inputs"] == 65536 * WIDTH * 4
+    saved = r.peak.bytes["activations"]
+    assert saved > 0 and saved % (65536 * WIDTH * 4) == 0  # the saved inputs of the layers before
+    assert saved == r.modules.loc["Sequential", "activations"]
+    (message,) = [m for m in caplog.messages if m.startswith("out of memory")]
+    assert f"({r.peak.phase})" in message and "The largest category was activations" in message
+
+
+def test_track_re_raises_the_very_error_and_removes_its_hooks(tmp_path, caplog):
+    """On the CPU too: the error leaves unchanged, the breakdown names it, no hook stays."""
+    from torch.nn.modules import module as nn_module
+
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))  # 512x512 fp32: exactly 1 MiB
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks = len(nn_module._global_forward_hooks), len(nn_module._global_forward_pre_hooks)
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with caplog.at_level(logging.ERROR, logger="memprof"), pytest.raises(torch.OutOfMemoryError) as info:
+        with memprof.track(model, opt, oom_dir=tmp_path) as prof:
+            loss = model(torch.ones(8, 512)).sum()
+            raise error
+    assert info.value is error and info.value.__traceback__ is not None
+    assert (len(nn_module._global_forward_hooks), len(nn_module._global_forward_pre_hooks)) == hooks
+    json_path, html_path = prof.oom_files
+    r = Report.load(json_path)
+    assert r.meta["out_of_memory"]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert r.peak.phase == "loss"
+    assert r.peak.bytes["parameters"] == 2 * (MiB + 512 * 4)
+    assert r.modules.loc["Sequential.0", "parameters"] == MiB + 512 * 4
+    assert html_path.read_text().startswith("<!DOCTYPE html>")
+    assert any(m.startswith("out of memory on the cpu") for m in caplog.messages)
+    del loss
+
+    with pytest.raises(torch.OutOfMemoryError):
+        with memprof.track(model, opt, oom_dir=None) as prof:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+    assert prof.oom_files is None and sorted(tmp_path.iterdir()) == [html_path, json_path]
+
+
+GROWING = """\
+import torch
+from torch import nn
+
+model = nn.Sequential(*[nn.Sequential(nn.Linear(4096, 4096), nn.GELU()) for _ in range(8)], nn.Linear(4096, 10)).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+batch = 4096
+for step in range(10):  # a curriculum that doubles the batch every step
+    x = torch.randn(batch, 4096, device="cuda")
+    loss = model(x).logsumexp(-1).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    batch *= 2
+"""
+
+
+def test_cli_track_on_a_gpu_too_small(tmp_path):
+    """The simulated RTX 3060 runs out in the fourth tracked step's forward:
+    status 2, no traceback, the breakdown on disk and named."""
+    (tmp_path / "grow.py").write_text(GROWING)
+    r = memprof_cli("track", "grow.py", "--target", "rtx3060", "--steps", "5", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (json_path,) = tmp_path.glob("memprof-oom-*.json")
+    assert (f"memprof: error: the script ran out of memory on the simulated RTX3060-12GB (at grow.py line 9) "
+            f"in tracked step 3; what was live then, by category and module, is in {json_path.name}") in r.stderr
+    assert "The largest category was activations (8.00 GiB" in r.stderr
+    report = Report.load(json_path)
+    assert report.peak.bytes["activations"] == 8 * 2**30  # the saved inputs of 4 Linear and 4 GELU, 1 GiB each
+    assert report.peak.phase == "forward Sequential.4.0"
