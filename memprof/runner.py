@@ -75,9 +75,13 @@ class _Observer:
     """The hooks that find the model and optimizer, start tracking and stop the script."""
 
     def __init__(self, steps: int, warmup: int, timeout: float | None, on_model=None, simulated: bool = False,
-                 on_step=None) -> None:
+                 on_step=None, early: bool = False) -> None:
         self.steps, self.warmup = steps, warmup
         self.simulated = simulated
+        # Track the steps before the model is known too (the first outermost
+        # module is taken for it), only to explain an out-of-memory error there.
+        self.early = early
+        self._early: Tracker | None = None
         self.on_model, self.on_step = on_model, on_step
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.optimizer_steps = 0  # optimizer steps seen before tracking began
@@ -90,6 +94,7 @@ class _Observer:
         self._previous_profile: Any = None
         self._profiling = False
         self._stack = ExitStack()  # every hook and the tracker: closed in one place
+        self.oom_files: tuple[Path, Path] | None = None  # an out-of-memory error's breakdown
 
     # -- lifetime --------------------------------------------------------------
     def install(self) -> None:
@@ -116,8 +121,32 @@ class _Observer:
         self._check()
         if self._depth == 0:
             self._outermost[module] = next(self._seq)
+            if self.early and self._early is None and self.tracker is None and self._pending is None:
+                self._watch_early(module, args)
         self._depth += 1
 
+    def _watch_early(self, module: nn.Module, args: tuple) -> None:
+        self.early = False  # once
+        try:
+            self._early = track(module, warmup=2**62, every=1, timeline_steps=1, history=1, full=True)._enter_in_forward(
+                module, args)
+        except Exception as exc:  # a best effort: the steps are tracked as usual once the model is found
+            log.debug("no early tracking of %s: %s", type(module).__name__, exc)
+            return
+        self._stack.callback(self._end_early)
+
+    def _end_early(self) -> None:
+        if self._early is not None:
+            early, self._early = self._early, None
+            early.__exit__(_Stop, _Stop(), None)
+
+    def record_oom(self, error: BaseException) -> tuple[Path, Path] | None:
+        """Let the tracker in charge (the early one before the model is known) record ``error``; its files."""
+        tracker = self.tracker or self._early
+        if tracker is None:
+            return None
+        tracker.record_oom(error)
+        return tracker.oom_files
     def _on_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._depth = max(self._depth - 1, 0)
 
@@ -170,6 +199,7 @@ class _Observer:
     def _start(self) -> None:
         model, opt = self._pending
         self._pending = None
+        self._end_early()
         try:
             if self.on_model is not None:  # e.g. the advisor applying a plan to the script's model
                 self.on_model(model, opt)
@@ -300,7 +330,8 @@ def observe_script(
         gpu = get_gpu(target)
         device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu, capacity=usable_bytes(gpu) if oom else None))
 
-    observer = _Observer(steps, warmup, timeout, on_model, simulated=gpu is not None, on_step=on_step)
+    observer = _Observer(steps, warmup, timeout, on_model, simulated=gpu is not None, on_step=on_step,
+                         early=gpu is not None and oom)
     saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
     outcome: BaseException | None = None
     try:
@@ -313,8 +344,8 @@ def observe_script(
                     runpy.run_path(str(path), run_name="__main__")
                 except BaseException as exc:  # the script's own errors, exits and Ctrl-C, and our _Stop
                     outcome = exc
-                    if isinstance(exc, torch.OutOfMemoryError) and observer.tracker is not None:
-                        observer.tracker.record_oom(exc)  # while what it failed on is still live
+                    if isinstance(exc, torch.OutOfMemoryError):
+                        observer.oom_files = observer.record_oom(exc)  # while what it failed on is still live
             finally:
                 observer.close()  # every hook and the tracker, before the simulated device goes
     finally:
@@ -359,14 +390,11 @@ def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outco
     if isinstance(outcome, torch.OutOfMemoryError):
         where = _where(outcome, Path(path).resolve())
         gpu = f"the simulated {device.gpu.name}" if device is not None else "the GPU"
-        if tracker is not None and tracker.oom_files is not None:
-            raise ScriptError(
-                f"the script ran out of memory on {gpu}{where} in tracked step {done}; what was live then, by "
-                f"category and module, is in {tracker.oom_files[0]} and {tracker.oom_files[1]}", report) from outcome
-        raise ScriptError(
-            f"the script ran out of memory on {gpu}{where} before memprof could track a step ({outcome}); "
-            "`memprof advise` with this GPU as the budget simulates what each plan needs and which fit", report,
-        ) from outcome
+        when = f"in tracked step {done}" if tracker is not None else "before the first tracked step"
+        files = observer.oom_files
+        said = (f"what was live then, by category and module, is in {files[0]} and {files[1]}" if files else
+                f"{outcome}; `memprof advise` with this GPU as the budget simulates what each plan needs and which fit")
+        raise ScriptError(f"the script ran out of memory on {gpu}{where} {when}; {said}", report) from outcome
     if failed:
         what = f"the script raised {type(outcome).__name__}: {outcome}{_where(outcome, Path(path).resolve())}"
         if report is None:

@@ -617,6 +617,15 @@ class Tracker:
     def _on_root_pre(self, module: nn.Module, args: tuple) -> None:
         self._forwards += 1
 
+    def _enter_in_forward(self, model: nn.Module, args: tuple) -> "Tracker":
+        """Enter from inside ``model``'s forward pre-hooks, which PyTorch has
+        already gathered for this call: run the tracker's own for it too."""
+        self.__enter__()
+        self._on_root_pre(model, args)
+        if self._profiled:
+            self._on_pre(model, args)
+        return self
+
     def _on_pre(self, module: nn.Module, args: tuple) -> None:
         name = self._names.get(module)
         if name is None:  # a module outside the tracked model: part of its caller

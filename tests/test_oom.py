@@ -18,6 +18,7 @@ from memprof.devices import get_gpu
 from memprof.simulate import usable_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_cli import ROOT  # noqa: E402
 from test_cli import memprof as memprof_cli  # noqa: E402
 
 MiB = 2**20
@@ -163,3 +164,35 @@ def test_cli_track_on_a_gpu_too_small(tmp_path):
     report = Report.load(json_path)
     assert report.peak.bytes["activations"] == 8 * 2**30  # the saved inputs of 4 Linear and 4 GELU, 1 GiB each
     assert report.peak.phase == "forward Sequential.4.0"
+
+
+def test_cli_track_gpt2_that_does_not_fit_in_its_first_step(tmp_path):
+    """GPT-2 124M at 32 x 1024 on an RTX 3060 runs out in the first step's
+    forward, before memprof knows the optimizer: the early tracking of the
+    first module called explains it all the same."""
+    gpt = ("--batch-size", "32", "--block-size", "1024", "--n-layer", "12", "--n-head", "12", "--n-embd", "768",
+           "--vocab-size", "50257", "--device", "cuda")
+    r = memprof_cli("track", ROOT / "examples" / "train_gpt.py", "--target", "rtx3060", "--steps", "2", "--", *gpt,
+                    cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (json_path,) = tmp_path.glob("memprof-oom-*.json")
+    assert ("memprof: error: the script ran out of memory on the simulated RTX3060-12GB (at train_gpt.py line "
+            in r.stderr)
+    assert f"before the first tracked step; what was live then, by category and module, is in {json_path.name}" in r.stderr
+    report = Report.load(json_path)
+    assert report.peak.step == 0 and report.peak.phase.startswith("forward GPT.h.")
+    blocks = sum(-(-p.numel() * 4 // 512) * 512 for p in _gpt2().parameters())  # 512-byte allocator blocks
+    assert report.peak.bytes["parameters"] == blocks
+    assert report.peak.bytes["gradients"] == report.peak.bytes["optimizer_state"] == 0  # none yet
+    assert max(report.peak.bytes, key=report.peak.bytes.get) == "activations"
+    assert "The largest category was activations" in r.stderr and "most of it in GPT.h " in r.stderr
+
+
+def _gpt2():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt_example", ROOT / "examples" / "train_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with torch.device("meta"):
+        return example.GPT(example.GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
