@@ -79,7 +79,11 @@ class MemprofCallback(Callback):
         save_path: write the report there as JSON when training ends (or
             raises: the steps measured before an out-of-memory error are often
             what you want), atomically, on rank zero. Read it back with
-            :meth:`memprof.Report.load`.
+            :meth:`memprof.Report.load`. An out-of-memory error also writes
+            what was live at that moment (``memprof-oom-<time>.json`` and
+            ``.html`` in the trainer's ``default_root_dir``, per rank under
+            ``rank<N>`` with several) and logs it in one paragraph; the
+            error reaches the caller unchanged.
         print_report: print the report with rich when training ends, on rank
             zero; otherwise a one-line summary goes to :mod:`logging`.
     """
@@ -151,7 +155,10 @@ class MemprofCallback(Callback):
         self._close(None)
         self._step_offset = trainer.global_step
         self._steps_seen = 0
-        tracker = track(pl_module, device=pl_module.device, warmup=self.warmup, every=self.every)
+        # An out-of-memory error's breakdown goes where the trainer writes; one folder per rank.
+        oom_dir = trainer.default_root_dir if trainer.world_size == 1 else os.path.join(
+            trainer.default_root_dir, f"rank{trainer.global_rank}")
+        tracker = track(pl_module, device=pl_module.device, warmup=self.warmup, every=self.every, oom_dir=oom_dir)
         tracker.__enter__()
         self._tracker = tracker
         self._trained = True

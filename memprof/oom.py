@@ -24,7 +24,7 @@ __all__ = ["concentration", "explain", "save"]
 
 def concentration(report: Report, category: str) -> tuple[str, int] | None:
     """The module where ``category``'s bytes gather: from the root, step into
-    the child that holds the most of them while it holds at least half of its
+    the child that holds the most of them while it holds more than half of its
     parent's; ``(module, bytes)``, or None when no module holds any."""
     rows = report.modules
     if category not in rows.columns or rows.empty:
@@ -37,7 +37,7 @@ def concentration(report: Report, category: str) -> tuple[str, int] | None:
         prefix = name + "."
         children = [c for c in rows.index if c.startswith(prefix) and "." not in c[len(prefix):]]
         best = max(children, key=lambda c: int(rows.at[c, category]), default=None)
-        if best is None or 2 * int(rows.at[best, category]) < held:
+        if best is None or 2 * int(rows.at[best, category]) <= held:
             return name, held
         name, held = best, int(rows.at[best, category])
 

@@ -26,16 +26,18 @@ BATCHES_PER_EPOCH = 4
 class Tiny(L.LightningModule):
     """Two 512x512 fp32 weights of exactly 1 MiB each, trained with AdamW."""
 
-    def __init__(self, fail_at_step: int | None = None) -> None:
+    def __init__(self, fail_at_step: int | None = None, error: BaseException | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False))
         self.fail_at_step = fail_at_step
+        self.error = error
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.net[1](self.net[0](x))
         if self.training and self.global_step == self.fail_at_step:
-            raise RuntimeError("boom")  # mid-forward: module, saved-tensor and optimizer hooks are all in place
+            # mid-forward: module, saved-tensor and optimizer hooks are all in place
+            raise self.error if self.error is not None else RuntimeError("boom")
         return self.net[2](h)
 
     def training_step(self, batch, batch_idx):
@@ -144,6 +146,27 @@ def test_hooks_removed_when_training_raises(tmp_path):
     # The steps before the error are kept and saved (what you want after an OOM).
     assert cb.report.steps["step"].tolist() == [0, 1]
     assert memprof.Report.load(path).steps["step"].tolist() == [0, 1]
+
+
+def test_out_of_memory_in_a_fit_is_explained(tmp_path, caplog):
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+    cb = MemprofCallback(print_report=False)
+    model = Tiny(fail_at_step=2, error=error)
+    with caplog.at_level(logging.ERROR, logger="memprof"), pytest.raises(torch.OutOfMemoryError) as info:
+        fit(cb, max_steps=5, model=model, default_root_dir=tmp_path)
+    assert info.value is error  # the caller gets the very error
+    assert_no_hooks(model)
+    (json_path,) = tmp_path.glob("memprof-oom-*.json")
+    r = memprof.Report.load(json_path)
+    assert r.peak.step == 2 and r.peak.phase == "forward Tiny"
+    # the two 1 MiB weights, AdamW's two states of each and its two float32 step counts
+    assert r.peak.bytes["parameters"] == 2 * MiB and r.peak.bytes["optimizer_state"] == 4 * MiB + 2 * 4
+    assert r.peak.bytes["inputs"] == 16 * 512 * 4  # the batch (which the first Linear saved)
+    assert r.peak.bytes["activations"] == 16 * 512 * 4  # the ReLU's output
+    assert r.modules.loc["Tiny.net.0", "parameters"] == MiB
+    (message,) = [m for m in caplog.messages if m.startswith("out of memory")]
+    assert "in step 2 (forward Tiny)" in message and json_path.name in message
+    assert "The largest category was optimizer_state (4.00 MiB, 50 %), most of it in Tiny.net (4.00 MiB)." in message
 
 
 def test_saved_report_loads(tmp_path):
