@@ -196,3 +196,40 @@ def _gpt2():
     spec.loader.exec_module(example)
     with torch.device("meta"):
         return example.GPT(example.GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
+
+
+# -- on a real GPU ---------------------------------------------------------------------
+from conftest import cuda  # noqa: E402
+
+
+@cuda
+@pytest.mark.cuda
+def test_a_real_out_of_memory_error_is_explained_and_passed_on(tmp_path):
+    """8 Linear(8192, 8192) on a batch of 2^21 rows: each saved input is 64 GiB,
+    so the GPU runs out a few layers in; PyTorch's own error reaches the caller."""
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(8)]).cuda()
+    x = torch.empty(2**21, WIDTH, device="cuda")
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        with memprof.track(model, oom_dir=tmp_path) as prof:
+            model(x).sum().backward()
+    assert type(info.value) is torch.OutOfMemoryError and str(info.value).startswith("CUDA out of memory.")
+    r = Report.load(prof.oom_files[0])
+    assert r.peak.phase.startswith("forward Sequential.")
+    assert r.peak.bytes["parameters"] == 8 * LAYER  # 512-byte multiples already
+    assert r.peak.bytes["inputs"] == 2**21 * WIDTH * 4
+    assert r.peak.allocated == r.meta["out_of_memory"]["allocated"]
+    del x, info
+    torch.cuda.empty_cache()
+
+
+@cuda
+@pytest.mark.cuda
+def test_cli_track_on_the_gpu_that_runs_out(tmp_path):
+    script = GROWING.replace("batch = 4096", "batch = 2**17")  # 32, 64, 128 GiB of activations: the third step fails
+    (tmp_path / "grow.py").write_text(script)
+    r = memprof_cli("track", "grow.py", "--steps", "5", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "memprof: error: the script ran out of memory on the GPU (at grow.py line" in r.stderr
+    (json_path,) = tmp_path.glob("memprof-oom-*.json")
+    assert "in tracked step 1;" in r.stderr and json_path.name in r.stderr
+    assert "The largest category was activations" in r.stderr
