@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -381,6 +382,7 @@ def simulate(
     target: str | GPU = "H100-80GB",
     steps: int = 3,
     on_meta: bool = True,
+    oom_dir: str | os.PathLike | None = ".",
 ) -> Report:
     """Predict the memory of ``steps`` training steps on ``target`` without running them there.
 
@@ -395,9 +397,9 @@ def simulate(
     ``source == "simulate"`` and the target in ``meta``. A step that does not
     fit raises ``torch.OutOfMemoryError`` (:class:`memprof.caching.SimulatedOOM`)
     at the allocation that would fail on the target (its memory less what
-    lies outside PyTorch), after writing what was live then, as
-    :func:`memprof.track` does; :func:`memprof.advise` tells what a step needs
-    beyond the capacity.
+    lies outside PyTorch), after writing what was live then to ``oom_dir``,
+    as :func:`memprof.track` does; :func:`memprof.advise` tells what a step
+    needs beyond the capacity.
     """
     gpu = get_gpu(target)
     if not isinstance(steps, int) or steps < 1:
@@ -412,7 +414,7 @@ def simulate(
         # the caller) are device memory too.
         allocator.adopt(_state_tensors(model, optimizer))
         run = (lambda: step(model, optimizer)) if _takes_two(step) else step
-        with track(model, optimizer, warmup=steps, every=1, timeline_steps=steps, full=True) as prof:
+        with track(model, optimizer, warmup=steps, every=1, timeline_steps=steps, full=True, oom_dir=oom_dir) as prof:
             for _ in range(steps):
                 run()
     report = prof.report()
