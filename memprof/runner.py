@@ -147,6 +147,7 @@ class _Observer:
             return None
         tracker.record_oom(error)
         return tracker.oom_files
+
     def _on_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._depth = max(self._depth - 1, 0)
 

@@ -208,7 +208,10 @@ class Tracker:
         self._last_bracket: tuple | None = None  # the peak's interval in the last full step
         self._always_full = full
         self._oom_dir = oom_dir
-        self._failed: tuple[BaseException, str] | None = None  # an out-of-memory error and where it struck
+        # An out-of-memory error (as text: the error itself would keep the
+        # failed step's frames and tensors alive, e.g. through a script's
+        # retry with a smaller batch) and the phase it struck in.
+        self._failed: tuple[str, str] | None = None
         #: The forensic report's JSON and HTML paths, once an out-of-memory error left the block.
         self.oom_files: tuple[Path, Path] | None = None
         self._full_steps: deque[int] = deque(maxlen=history)
@@ -301,7 +304,7 @@ class Tracker:
         counts[Category.TEMPORARIES.value] = alloc - sum(counts.values())
         if c is not None:
             counts[Category.FRAGMENTATION.value] = max(c.reserved - alloc, 0)
-        if self._failed is not None and self._failed[0] is error:
+        if self._failed is not None and self._failed[0] == _describe(error):
             phase = self._failed[1]  # in a forward, which has unwound since
         else:
             phase = self._phase_now() if self._profiled else "light step (not profiled)"
@@ -312,7 +315,7 @@ class Tracker:
             report.source = "simulate"
             report.meta["target"] = gpu.name
         report.meta["out_of_memory"] = {
-            "error": f"{type(error).__name__}: {error}",
+            "error": _describe(error),
             **{k: getattr(error, k) for k in ("requested", "capacity") if hasattr(error, k)},
             "allocated": alloc,
             "reserved": c.reserved if c is not None else None,
@@ -367,6 +370,7 @@ class Tracker:
 
     def _begin_step(self) -> None:
         self._forwards = 0
+        self._failed = None
         self._profiled = self._should_profile(self.step)
         if self._profiled:
             self._start_profile()
@@ -637,6 +641,7 @@ class Tracker:
             self._recompute = torch._C._current_autograd_node() is not None
         alloc = self._sample(Phase.RECOMPUTE if self._recompute else Phase.FORWARD, name, ("pre", name))
         if outer:  # the root: its inputs, and start watching saved tensors
+            self._failed = None  # an error caught by the script, which goes on
             if not self._recompute:
                 for t in _tensors(args):
                     if self._on_device(t):
@@ -663,7 +668,7 @@ class Tracker:
             # where it struck before the phases unwind with it.
             error = sys.exc_info()[1]
             if isinstance(error, torch.OutOfMemoryError):
-                self._failed = (error, self._phase_now())
+                self._failed = (_describe(error), self._phase_now())
         span = self._fwd[-1]
         outer = len(self._fwd) == 1
         if outer:
@@ -969,7 +974,7 @@ class Tracker:
         self._step_handles.clear()
         self._handles.clear()
         self._ledger.clear()
-        self._failed = None  # the error holds the failed step's frames and tensors
+        self._failed = None
         if _active is not None and _active() is self:
             _active = None
 
@@ -1005,6 +1010,10 @@ def _owner(root: str, qualified: str) -> str:
     """Module that owns a parameter or buffer named ``a.b.weight`` -> ``Root.a.b``."""
     prefix = qualified.rpartition(".")[0]
     return f"{root}.{prefix}" if prefix else root
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def track(

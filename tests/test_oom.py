@@ -134,6 +134,31 @@ def test_track_re_raises_the_very_error_and_removes_its_hooks(tmp_path, caplog):
     assert prof.oom_files is None and sorted(tmp_path.iterdir()) == [html_path, json_path]
 
 
+def test_an_error_the_script_catches_is_not_kept(tmp_path):
+    """A script that catches the error and retries smaller must get the failed
+    forward's memory back: the tracker keeps no reference to the error."""
+    import gc
+    import weakref
+
+    kept = []
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            big = torch.ones(1024, 1024)
+            kept.append(weakref.ref(big))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 MiB")
+
+    model = nn.Sequential(nn.Linear(4, 4), Fails())
+    with memprof.track(model, oom_dir=tmp_path) as prof:
+        try:
+            model(torch.ones(2, 4))
+        except torch.OutOfMemoryError:
+            pass
+        gc.collect()
+        assert kept[0]() is None
+    assert prof.oom_files is None and not list(tmp_path.iterdir())  # caught inside: nothing to explain
+
+
 GROWING = """\
 import torch
 from torch import nn
