@@ -115,6 +115,8 @@ def _cmd_track(args: argparse.Namespace, console: Console) -> int:
         if exc.report is not None:  # what was measured before the failure
             _show(console, exc.report)
             _save(console, exc.report, args.json)
+        if args.target is not None and isinstance(exc.__cause__, torch.OutOfMemoryError):
+            _advise_after_oom(args, console)
         raise
     done = report.meta.get("observed_steps", len(report.steps))
     _line(console, f"memprof: observed {done} training step(s) of {args.script} after {args.warmup} warmup step(s)")
@@ -122,6 +124,30 @@ def _cmd_track(args: argparse.Namespace, console: Console) -> int:
     _save(console, report, args.json)
     _save(console, report, args.html, html=True)
     return 0
+
+
+def _advise_after_oom(args: argparse.Namespace, console: Console) -> None:
+    """The script ran out of the simulated GPU's memory: say what the advisor would change to fit it."""
+    from .script_advice import advise_script
+
+    gpu = get_gpu(args.target).name
+    _line(console, f"memprof: asking the advisor what fits the {gpu} (the script runs once more, simulated)")
+    try:
+        with _script_output(False, console) as (terminal, _):
+            advice = advise_script(args.script, args.script_args, budget=args.target, target=args.target,
+                                   timeout=args.timeout, progress=terminal)
+    except (ScriptError, ValueError) as exc:
+        log.warning("the advisor could not run the script: %s", exc)
+        return
+    if advice.best is None:
+        _line(console, f"memprof: no plan of the advisor fits the {gpu}; more ranks (memprof advise --world-size) "
+              "or a larger GPU would")
+        return
+    row = advice.table.loc[advice.best]
+    _line(console, f"memprof: the advisor's top plan for the {gpu}: {advice.best}: peak "
+          f"{fmt_bytes(row['peak_reserved'])} reserved (simulated); `memprof advise` shows the others")
+    for change in advice.code_change():
+        _line(console, f"  - {change}")
 
 
 def _cmd_advise(args: argparse.Namespace, console: Console) -> int:

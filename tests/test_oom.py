@@ -211,6 +211,12 @@ def test_cli_track_gpt2_that_does_not_fit_in_its_first_step(tmp_path):
     assert report.peak.bytes["gradients"] == report.peak.bytes["optimizer_state"] == 0  # none yet
     assert max(report.peak.bytes, key=report.peak.bytes.get) == "activations"
     assert "The largest category was activations" in r.stderr and "most of it in GPT.h " in r.stderr
+    # and what would fit: the advisor's top plan for the same GPU, with its code change
+    assert "memprof: asking the advisor what fits the RTX3060-12GB" in r.stdout
+    (top,) = [line for line in r.stdout.splitlines() if line.startswith("memprof: the advisor's top plan")]
+    assert top.startswith("memprof: the advisor's top plan for the RTX3060-12GB: ") and " reserved (simulated)" in top
+    peak = float(top.split(": peak ")[1].split(" GiB")[0]) * 2**30
+    assert peak <= usable_bytes(get_gpu("rtx3060"))
 
 
 def _gpt2():
