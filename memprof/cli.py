@@ -310,6 +310,16 @@ def _save(console: Console, report: Report, path: str | None, html: bool = False
 
 
 def _cmd_report(args: argparse.Namespace, console: Console) -> int:
+    if _is_pickle(args.file):  # an allocator snapshot, recorded without memprof
+        from . import snapshot
+
+        report = snapshot.to_report(snapshot.load(args.file))
+        _line(console, f"snapshot {args.file}: the peak of allocated memory over its trace "
+              f"({report.meta['trace_events']} events), each live block named by the frames that allocated it")
+        _show(console, report)
+        _line(console, "not told apart in a snapshot: " + "; ".join(report.meta["unknowable"]))
+        _save(console, report, args.html, html=True)
+        return 0
     try:
         report = Report.load(args.file)
     except (KeyError, TypeError, AttributeError) as exc:
@@ -322,6 +332,17 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
     _show(console, report)
     _save(console, report, args.html, html=True)
     return 0
+
+
+def _is_pickle(path: str) -> bool:
+    """Whether ``path`` is a pickle (``torch.cuda.memory._dump_snapshot`` writes protocol 2 or later)."""
+    if str(path).endswith((".pickle", ".pkl")):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(1) == b"\x80"
+    except OSError:
+        return False
 
 
 def _cmd_gpus(args: argparse.Namespace, console: Console) -> int:
