@@ -331,6 +331,13 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
         _line(console, f"report of {script}: {len(report.steps)} step(s)")
     _show(console, report)
     _save(console, report, args.html, html=True)
+    if args.snapshot:
+        try:
+            report.save_snapshot(args.snapshot)
+        except OSError as exc:
+            raise OSError(f"cannot write the snapshot to {args.snapshot!r}: {exc.strerror or exc}; pick a writable path") from None
+        _line(console, f"snapshot saved to {args.snapshot}; open it at pytorch.org/memory_viz (each block is named "
+              "by its category and module)")
     return 0
 
 
@@ -461,9 +468,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show the script's own output (default: kept in a log file)")
     p.set_defaults(func=_cmd_advise)
 
-    p = sub.add_parser("report", help="render a report saved with --json")
-    p.add_argument("file", metavar="FILE.json")
+    p = sub.add_parser("report", help="render a report saved with --json, or an allocator snapshot (.pickle)")
+    p.add_argument("file", metavar="FILE")
     p.add_argument("--html", metavar="PATH", default=None, help="also write it as a self-contained HTML page")
+    p.add_argument("--snapshot", metavar="PATH", default=None,
+                   help="also write its peak as an allocator snapshot (pickle) for pytorch.org/memory_viz")
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("gpus", help="list the GPU catalogue")

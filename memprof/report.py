@@ -254,6 +254,16 @@ class Report:
             raise ValueError(f"{str(path)!r} is not a memprof report (invalid JSON: {exc})") from None
         return cls.from_dict(data)
 
+    def save_snapshot(self, path: str | os.PathLike) -> Path:
+        """Write the peak in PyTorch's allocator-snapshot format (a pickle), each block named by its category
+        and module, for ``torch.cuda._memory_viz`` and pytorch.org/memory_viz (atomically)."""
+        import pickle
+
+        from .snapshot import from_report
+
+        data = pickle.dumps(from_report(self))
+        return _atomic_write(path, lambda f: f.write(data), mode="wb")
+
     # -- rendering ------------------------------------------------------------
     def to_html(self) -> str:
         """One self-contained HTML page: categories, timeline chart, module tree."""
@@ -277,13 +287,13 @@ class Report:
         return report_text(self)
 
 
-def _atomic_write(path: str | os.PathLike, write) -> Path:
+def _atomic_write(path: str | os.PathLike, write, mode: str = "w") -> Path:
     """Write through a temporary file and rename it: readers see the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, mode) as f:
             write(f)
         os.replace(tmp, path)
     except BaseException:

@@ -26,7 +26,11 @@ import pandas as pd
 from .categories import ALLOCATED, Category
 from .report import MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Report
 
-__all__ = ["load", "to_report", "UNKNOWABLE"]
+__all__ = ["load", "to_report", "from_report", "UNKNOWABLE"]
+
+# The file name of the frame memprof writes on each block: its name is "<category> <module>".
+_MEMPROF = "memprof"
+_BASE = 0x7F0000000000  # where the written segment begins (any address would do)
 
 #: What a snapshot's frames cannot tell apart, said in every report made from one.
 UNKNOWABLE = (
@@ -79,7 +83,10 @@ def load(path: str | os.PathLike) -> dict:
 def _category(frames: list[dict]) -> tuple[Category, str]:
     """A block's category and module from the frames that allocated it (innermost first)."""
     files = [(str(f.get("filename", "")).replace("\\", "/"), str(f.get("name", ""))) for f in frames]
-    forward = next((f"{Path(fn).name}:{name}" for fn, name in files
+    if files and files[0][0] == _MEMPROF:  # written by memprof: "<category> <module>"
+        category, _, module = files[0][1].partition(" ")
+        return Category(category), module
+    forward = next((f"{Path(fn).stem}:{name}" for fn, name in files
                     if name == "forward" and "/torch/" not in fn), "")
     if any("/torch/optim/" in fn for fn, _ in files):
         return Category.OPTIMIZER_STATE, forward
@@ -131,23 +138,69 @@ def to_report(snapshot: dict, device: int = 0) -> Report:
             best, at, reserved_at = allocated, dict(live), reserved
     counts = {c.value: 0 for c in ALLOCATED}
     counts[Category.FRAGMENTATION.value] = max(reserved_at - best, 0)
-    modules: dict[str, dict[str, int]] = {}
+    # A row holds its submodules' bytes too, as in every memprof report.
+    rows: dict[str, dict[str, int]] = {"snapshot": dict.fromkeys(MODULE_COLUMNS[1:], 0)}
     for size, frames in at.values():
         category, module = _category(frames)
         counts[category.value] += size
-        if module:
-            row = modules.setdefault(module, dict.fromkeys(MODULE_COLUMNS[1:], 0))
-            if category.value in row:
-                row[category.value] += size
-    root = dict.fromkeys(MODULE_COLUMNS[1:], 0)
-    for category in ALLOCATED:
-        if category.value in root:
-            root[category.value] = counts[category.value]
-    rows = {"snapshot": root, **{f"snapshot.{m}": r for m, r in sorted(modules.items())}}
-    table = pd.DataFrame([{"type": "" if n == "snapshot" else "forward", **r} for n, r in rows.items()],
-                         index=pd.Index(list(rows), name="module"), columns=MODULE_COLUMNS)
+        if category.value not in rows["snapshot"]:
+            continue  # temporaries have no module
+        path = "snapshot"
+        rows[path][category.value] += size
+        for part in module.split(".") if module else ():
+            path += "." + part
+            rows.setdefault(path, dict.fromkeys(MODULE_COLUMNS[1:], 0))[category.value] += size
+    names = sorted(rows, key=lambda n: n.split("."))
+    table = pd.DataFrame([{"type": "", **rows[n]} for n in names], index=pd.Index(names, name="module"),
+                         columns=MODULE_COLUMNS)
     steps = pd.DataFrame([(0, True, best, reserved_high, sum(s for s, _ in now.values()), reserved_now, None)],
                          columns=STEP_COLUMNS)
     return Report(device=f"cuda:{device}", peak=Breakdown(step=0, phase="snapshot trace", bytes=counts),
                   modules=table, steps=steps, source="snapshot",
                   meta={"trace_events": len(trace), "segments": len(segments), "unknowable": list(UNKNOWABLE)})
+
+
+def from_report(report: Report) -> dict:
+    """``report``'s peak in PyTorch's snapshot format, for ``torch.cuda._memory_viz`` and memory_viz.
+
+    One segment holds a block per module and category (the bytes a module
+    holds itself, without its submodules) and one for temporaries, each
+    with one frame whose file is ``memprof`` and whose function is
+    ``"<category> <module>"``; fragmentation is the segment's free block.
+    The trace allocates the segment, then each block. :func:`to_report`
+    reads the categories and modules back exactly."""
+    if report.peak is None:
+        raise ValueError("the report has no profiled step, so no peak to write; track at least one step")
+    rows = report.modules
+    blocks: list[tuple[int, list[dict]]] = []
+    for name in rows.index:
+        prefix = name + "."
+        children = [c for c in rows.index if c.startswith(prefix) and "." not in c[len(prefix):]]
+        for category in ALLOCATED:
+            if category.value not in rows.columns:
+                continue
+            own = int(rows.at[name, category.value]) - sum(int(rows.at[c, category.value]) for c in children)
+            if own > 0:
+                blocks.append((own, [{"filename": _MEMPROF, "line": 0, "name": f"{category.value} {name}"}]))
+    named = sum(size for size, _ in blocks)
+    rest = report.peak.allocated - named  # temporaries, and whatever no module holds
+    if rest > 0:
+        blocks.append((rest, [{"filename": _MEMPROF, "line": 0, "name": Category.TEMPORARIES.value}]))
+    free = report.peak.bytes.get(Category.FRAGMENTATION.value, 0)
+    out, trace, addr = [], [], _BASE
+    total = sum(size for size, _ in blocks) + free
+    trace.append({"action": "segment_alloc", "addr": _BASE, "size": total, "stream": 0, "frames": [], "time_us": 0})
+    for size, frames in blocks:
+        out.append({"address": addr, "size": size, "requested_size": size, "state": "active_allocated",
+                    "frames": frames})
+        trace.append({"action": "alloc", "addr": addr, "size": size, "stream": 0, "frames": frames,
+                      "time_us": len(trace)})
+        addr += size
+    if free:
+        out.append({"address": addr, "size": free, "requested_size": 0, "state": "inactive", "frames": []})
+    allocated = total - free
+    segment = {"device": 0, "address": _BASE, "total_size": total, "allocated_size": allocated,
+               "active_size": allocated, "requested_size": allocated, "stream": 0, "segment_type": "large",
+               "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": out}
+    return {"segments": [segment], "device_traces": [trace], "allocator_settings": {},
+            "memprof": {"source": report.source, "phase": report.peak.phase, "step": report.peak.step}}

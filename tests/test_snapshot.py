@@ -55,7 +55,7 @@ def test_the_peak_of_the_trace_by_category(tmp_path, from_start):
         4 * MiB, 8 * MiB, 2 * MiB, MiB, MiB // 2)
     assert b["fragmentation"] == 20 * MiB - (15 * MiB + MiB // 2)
     assert int(r.steps["peak_reserved"].iloc[0]) == 20 * MiB and int(r.steps["allocated"].iloc[0]) == 12 * MiB
-    assert r.modules.loc["snapshot.model.py:forward", "activations"] == 2 * MiB
+    assert r.modules.loc["snapshot.model:forward", "activations"] == 2 * MiB
     assert r.source == "snapshot" and "buffers are counted as parameters" in r.meta["unknowable"]
 
 
@@ -93,3 +93,42 @@ def test_report_command_reads_a_snapshot(tmp_path, capsys):
     (tmp_path / "junk.pickle").write_bytes(b"not a pickle")
     assert main(["report", str(tmp_path / "junk.pickle")]) == 2
     assert "is not a memory snapshot" in capsys.readouterr().err
+
+
+def test_a_report_written_as_a_snapshot_reads_back_and_in_torchs_viewer(tmp_path):
+    """A tracked step's peak, written in PyTorch's format: torch.cuda._memory_viz
+    reads it with memprof's names in the frames, and memprof reads it back to the byte."""
+    import torch
+    from torch import nn
+    from torch.cuda import _memory_viz
+
+    import memprof
+
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))  # 1 MiB weights
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.track(model, opt, warmup=2) as prof:
+        for _ in range(2):
+            model(torch.randn(64, 512)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    report = prof.report()
+    path = report.save_snapshot(tmp_path / "peak.pickle")
+    snap = snapshot.load(path)  # plain containers only: the safe loader takes it
+    lines = _memprof_lines(_memory_viz.memory(snap, format_flamegraph=lambda lines: lines))
+    assert any("parameters Sequential.0" in line for line in lines)
+    assert any("optimizer_state Sequential.2" in line for line in lines)
+    assert "TOTAL MEM" in _memory_viz.trace(snap)
+    back = snapshot.to_report(snap)
+    for category in ("parameters", "gradients", "optimizer_state", "activations", "inputs", "temporaries"):
+        assert back.peak.bytes[category] == report.peak.bytes[category], category
+    assert back.peak.allocated == report.peak.allocated
+    for module in ("Sequential.0", "Sequential.2"):
+        assert back.modules.loc[f"snapshot.{module}", "parameters"] == report.modules.loc[module, "parameters"]
+    # and through the command line, from a saved report
+    report.save(tmp_path / "r.json")
+    assert main(["report", str(tmp_path / "r.json"), "--snapshot", str(tmp_path / "cli.pickle")]) == 0
+    assert snapshot.load(tmp_path / "cli.pickle") == snap
+
+
+def _memprof_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "memprof" in line]
