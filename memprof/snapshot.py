@@ -85,7 +85,8 @@ def _category(frames: list[dict]) -> tuple[Category, str]:
     files = [(str(f.get("filename", "")).replace("\\", "/"), str(f.get("name", ""))) for f in frames]
     if files and files[0][0] == _MEMPROF:  # written by memprof: "<category> <module>"
         category, _, module = files[0][1].partition(" ")
-        return Category(category), module
+        if category in {c.value for c in ALLOCATED}:
+            return Category(category), module
     forward = next((f"{Path(fn).stem}:{name}" for fn, name in files
                     if name == "forward" and "/torch/" not in fn), "")
     if any("/torch/optim/" in fn for fn, _ in files):
