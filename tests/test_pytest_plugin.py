@@ -4,8 +4,6 @@ In subprocesses: a simulation imports parts of torch that register operator
 libraries once per process, which an in-process run would unload and load again.
 """
 
-import pytest
-
 pytest_plugins = ["pytester"]
 
 SETUP = """
