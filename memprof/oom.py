@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from .categories import ALLOCATED
-from .report import Report
+from .report import Report, module_children
 from .units import fmt_bytes
 
 __all__ = ["concentration", "explain", "save"]
@@ -33,10 +33,9 @@ def concentration(report: Report, category: str) -> tuple[str, int] | None:
     held = int(rows.at[name, category])
     if held <= 0:
         return None
+    children = module_children(rows)
     while True:
-        prefix = name + "."
-        children = [c for c in rows.index if c.startswith(prefix) and "." not in c[len(prefix):]]
-        best = max(children, key=lambda c: int(rows.at[c, category]), default=None)
+        best = max(children[name], key=lambda c: int(rows.at[c, category]), default=None)
         if best is None or 2 * int(rows.at[best, category]) <= held:
             return name, held
         name, held = best, int(rows.at[best, category])

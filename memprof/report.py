@@ -28,6 +28,7 @@ __all__ = [
     "phase_module",
     "MODULE_CATEGORIES",
     "MODULE_COLUMNS",
+    "module_children",
     "OVER_STEP_COLUMNS",
     "STEP_COLUMNS",
 ]
@@ -143,6 +144,16 @@ class Breakdown:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Breakdown":
         return cls(step=int(d["step"]), phase=str(d["phase"]), bytes={k: int(v) for k, v in d["bytes"].items()})
+
+
+def module_children(modules: pd.DataFrame) -> dict[str, list[str]]:
+    """Each row of a module table (``Report.modules``) -> its direct submodules' rows, in table order."""
+    out: dict[str, list[str]] = {name: [] for name in modules.index}
+    for name in modules.index:
+        parent = name.rpartition(".")[0]
+        if parent in out:
+            out[parent].append(name)
+    return out
 
 
 def _empty(columns: list[str]) -> pd.DataFrame:

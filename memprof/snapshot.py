@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from .categories import ALLOCATED, Category
-from .report import MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Report
+from .report import MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Report, module_children
 
 __all__ = ["load", "to_report", "from_report", "UNKNOWABLE"]
 
@@ -173,14 +173,13 @@ def from_report(report: Report) -> dict:
     if report.peak is None:
         raise ValueError("the report has no profiled step, so no peak to write; track at least one step")
     rows = report.modules
+    children = module_children(rows)
     blocks: list[tuple[int, list[dict]]] = []
     for name in rows.index:
-        prefix = name + "."
-        children = [c for c in rows.index if c.startswith(prefix) and "." not in c[len(prefix):]]
         for category in ALLOCATED:
             if category.value not in rows.columns:
                 continue
-            own = int(rows.at[name, category.value]) - sum(int(rows.at[c, category.value]) for c in children)
+            own = int(rows.at[name, category.value]) - sum(int(rows.at[c, category.value]) for c in children[name])
             if own > 0:
                 blocks.append((own, [{"filename": _MEMPROF, "line": 0, "name": f"{category.value} {name}"}]))
     named = sum(size for size, _ in blocks)

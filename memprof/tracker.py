@@ -300,10 +300,7 @@ class Tracker:
         totals = self._ledger.snapshot()
         c = self._counters.read()
         alloc = c.allocated if c is not None else sum(totals.values())
-        counts = {cat.value: totals.get(cat, 0) for cat in _NAMED}
-        counts[Category.TEMPORARIES.value] = alloc - sum(counts.values())
-        if c is not None:
-            counts[Category.FRAGMENTATION.value] = max(c.reserved - alloc, 0)
+        counts = _counts(totals, alloc, c.reserved if c is not None else None)
         if self._failed is not None and self._failed[0] == _describe(error):
             phase = self._failed[1]  # in a forward, which has unwound since
         else:
@@ -463,10 +460,8 @@ class Tracker:
         else:
             log.debug("step %d peaked outside the interval of the last full profile: profiling in full again", self.step)
             self._plan = self._last_bracket = None
-        counts = {c.value: totals.get(c, 0) for c in _NAMED}
-        counts[Category.TEMPORARIES.value] = alloc - sum(counts.values())
+        counts = _counts(totals, alloc, reserved)
         if reserved is not None:
-            counts[Category.FRAGMENTATION.value] = max(reserved - alloc, 0)
             used = self._counters.nvml_used()
             if used is not None:
                 counts[Category.NON_PYTORCH.value] = max(used - self._last_reserved, 0)
@@ -1010,6 +1005,16 @@ def _owner(root: str, qualified: str) -> str:
     """Module that owns a parameter or buffer named ``a.b.weight`` -> ``Root.a.b``."""
     prefix = qualified.rpartition(".")[0]
     return f"{root}.{prefix}" if prefix else root
+
+
+def _counts(totals: dict[Category, int], allocated: int, reserved: int | None) -> dict[str, int]:
+    """A breakdown's bytes: the ledger's categories, the rest of ``allocated`` as
+    temporaries, and what ``reserved`` holds beyond it (where known) as fragmentation."""
+    counts = {c.value: totals.get(c, 0) for c in _NAMED}
+    counts[Category.TEMPORARIES.value] = allocated - sum(counts.values())
+    if reserved is not None:
+        counts[Category.FRAGMENTATION.value] = max(reserved - allocated, 0)
+    return counts
 
 
 def _describe(error: BaseException) -> str:
