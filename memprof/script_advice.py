@@ -120,6 +120,11 @@ class ScriptFacts:
     #: The model's first forward's tensor arguments: name or position -> (shape, dtype).
     batch: dict[str, tuple[list[int], str]] = field(default_factory=dict)
 
+    @property
+    def batch_size(self) -> int | None:
+        """Samples per forward: the first dimension of its first tensor argument."""
+        return next((shape[0] for shape, _ in self.batch.values() if shape), None)
+
     def lines(self) -> list[str]:
         """One short line per fact, for the header of the advice."""
         params = ", ".join(f"{n / 1e6:.2f} M {d}" for d, n in self.parameters.items()) or "none"

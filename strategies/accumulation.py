@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from memprof.workload import Workload
 
-from .base import Strategy
+from .base import Door, Strategy
 
 __all__ = ["Accumulation"]
 
@@ -26,8 +26,17 @@ class Accumulation(Strategy):
         workload.micro_batches *= self.k
         workload.applied.append(self.name)
 
-    def code_change(self, facts=None) -> str:
+    def code_change(self, facts=None, door: Door | str = Door.SCRIPT) -> str:
         k, now = self.k, getattr(facts, "micro_batches", 1)
+        size = getattr(facts, "batch_size", None)
+        smaller = f"{size // k}" if size and size % k == 0 else f"<batch size>/{k}"
+        same = f"the same {now * size} samples" if size else "as many samples as now"
+        if Door.of(door) is Door.LIGHTNING:
+            return (f"Trainer(accumulate_grad_batches={now * k}) and DataLoader(batch_size={smaller}): "
+                    f"{same} per optimizer step")
+        if Door.of(door) is Door.HF:
+            return (f"TrainingArguments(gradient_accumulation_steps={now * k}, per_device_train_batch_size={smaller}): "
+                    f"{same} per optimizer step")
         if now > 1:  # the script accumulates already: more micro-batches, each smaller
             return (
                 f"raise gradient accumulation from {now} to {now * k} micro-batches per optimizer step, each 1/{k} "

@@ -4,11 +4,27 @@ single-process simulation of it cannot show."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import Enum
 
 from memprof.report import Report
 from memprof.workload import Workload
 
-__all__ = ["Prediction", "Strategy"]
+__all__ = ["Door", "Prediction", "Strategy"]
+
+
+class Door(str, Enum):
+    """Where the user trains, which decides how a change is phrased."""
+
+    SCRIPT = "script"  # their own loop: code to write
+    LIGHTNING = "lightning"  # lightning.Trainer settings and LightningModule code
+    HF = "hf"  # transformers.TrainingArguments
+
+    @classmethod
+    def of(cls, value: "str | Door") -> "Door":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"door {value!r} is not one of {[d.value for d in cls]}") from None
 
 
 @dataclass(frozen=True)
@@ -58,9 +74,10 @@ class Strategy:
         """Account for what the single-process simulation does not run (sharding, host offload)."""
         return prediction
 
-    def code_change(self, facts=None) -> str:
-        """What to write in a training script (or set in Lightning / Hugging Face) to do this;
-        ``facts`` (a ``memprof.script_advice.ScriptFacts``): what the script does already."""
+    def code_change(self, facts=None, door: Door | str = Door.SCRIPT) -> str:
+        """What to write in a training script, or set in Lightning's ``Trainer`` or
+        Hugging Face's ``TrainingArguments`` (``door``), to do this; ``facts``
+        (a ``memprof.script_advice.ScriptFacts``): what the training does already."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from memprof.workload import Workload
 
-from .base import Strategy
+from .base import Door, Strategy
 
 __all__ = ["Checkpointing", "find_blocks"]
 
@@ -76,6 +76,7 @@ class Checkpointing(Strategy):
         self.selective = selective
         self.name = "sel_ckpt" if selective else "ckpt"
         self.wrapped: list[str] = []
+        self.classes: list[str] = []  # the wrapped blocks' classes (an FSDP wrapping policy names them)
 
     def apply(self, workload: Workload) -> None:
         model = workload.model
@@ -96,13 +97,21 @@ class Checkpointing(Strategy):
             workload.patch(block, "forward", functools.partial(checkpoint, block.forward, **kwargs))
         _disable_kv_cache(workload)
         self.wrapped = [n for n, _ in found]
+        self.classes = sorted({type(b).__name__ for _, b in found})
         workload.applied.append(self.name)
 
-    def code_change(self, facts=None) -> str:
+    def code_change(self, facts=None, door: Door | str = Door.SCRIPT) -> str:
+        door = Door.of(door)
         names = self.wrapped or self.blocks or ["the repeated blocks"]
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         keep = ", context_fn=<selective: keep matmul and attention outputs>" if self.selective else ""
-        return (
-            "checkpoint each repeated block: `block.forward = functools.partial(torch.utils.checkpoint.checkpoint, "
-            f"block.forward, use_reentrant=False{keep})` for {shown} (Hugging Face: model.gradient_checkpointing_enable())"
-        )
+        wrap = (f"`block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, "
+                f"use_reentrant=False{keep})` for {shown}")
+        if door is Door.LIGHTNING:
+            policy = "{" + ", ".join(self.classes) + "}" if self.classes else "{<block class>}"
+            return (f"in the LightningModule's configure_model, checkpoint each repeated block: {wrap} "
+                    f"(with FSDPStrategy: FSDPStrategy(activation_checkpointing_policy={policy}))")
+        if door is Door.HF and not self.selective:
+            return ("TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={'use_reentrant': False}) "
+                    f"(a model without Hugging Face's support for it: {wrap} before training)")
+        return f"checkpoint each repeated block: {wrap} (Hugging Face: model.gradient_checkpointing_enable())"

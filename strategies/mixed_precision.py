@@ -7,7 +7,7 @@ from torch.utils._pytree import tree_map
 
 from memprof.workload import Workload
 
-from .base import Strategy
+from .base import Door, Strategy
 
 __all__ = ["Autocast", "PureBF16"]
 
@@ -34,7 +34,12 @@ class Autocast(Strategy):
             workload.scaler = torch.amp.GradScaler("cuda")
         workload.applied.append(self.name)
 
-    def code_change(self, facts=None) -> str:
+    def code_change(self, facts=None, door: Door | str = Door.SCRIPT) -> str:
+        door = Door.of(door)
+        if door is Door.LIGHTNING:
+            return f"Trainer(precision={'16-mixed' if self.dtype == 'fp16' else 'bf16-mixed'!r})"
+        if door is Door.HF:
+            return f"TrainingArguments({self.dtype}=True)"
         if self.dtype == "fp16":
             return (
                 "wrap the forward pass and the loss in `with torch.autocast('cuda', dtype=torch.float16):` and step "
@@ -66,7 +71,13 @@ class PureBF16(Strategy):
         )
         workload.applied.append(self.name)
 
-    def code_change(self, facts=None) -> str:
+    def code_change(self, facts=None, door: Door | str = Door.SCRIPT) -> str:
+        door = Door.of(door)
+        if door is Door.LIGHTNING:
+            return "Trainer(precision='bf16-true'): weights, gradients and optimizer state in bf16"
+        if door is Door.HF:
+            return ("load the model in bf16 (from_pretrained(..., torch_dtype=torch.bfloat16)) and keep "
+                    "TrainingArguments(bf16=False): weights, gradients and optimizer state in bf16")
         return (
             "convert the model before building the optimizer: `model.to(torch.bfloat16)`, and feed it bf16 inputs "
             "(Lightning: Trainer(precision='bf16-true'))"

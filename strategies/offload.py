@@ -10,7 +10,7 @@ from torch.autograd.graph import save_on_cpu
 
 from memprof.workload import Workload
 
-from .base import Strategy
+from .base import Door, Strategy
 
 __all__ = ["ActivationOffload"]
 
@@ -28,8 +28,15 @@ class ActivationOffload(Strategy):
         workload.saved_tensors_hooks = lambda: save_on_cpu(pin_memory=True)
         workload.applied.append(self.name)
 
-    def code_change(self, facts=None) -> str:
-        return "run the forward pass under `with torch.autograd.graph.save_on_cpu(pin_memory=True):`"
+    def code_change(self, facts=None, door: Door | str = Door.SCRIPT) -> str:
+        door = Door.of(door)
+        under = "`with torch.autograd.graph.save_on_cpu(pin_memory=True):`"
+        if door is Door.LIGHTNING:
+            return f"in training_step, run the forward pass and the loss under {under}"
+        if door is Door.HF:
+            return (f"subclass Trainer and run compute_loss under {under} "
+                    "(return super().compute_loss(model, inputs, *args, **kwargs) inside it)")
+        return f"run the forward pass under {under}"
 
     def apply_simulated(self, workload: Workload) -> None:
         from memprof.virtual_cuda import current

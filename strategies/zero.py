@@ -33,7 +33,7 @@ from memprof.categories import Category
 from memprof.report import Phase, Report, phase_kind, phase_module
 from memprof.workload import Workload
 
-from .base import Prediction, Strategy
+from .base import Door, Prediction, Strategy
 from .checkpointing import find_blocks
 
 __all__ = ["StateOffload", "ZeRO", "fsdp_units"]
@@ -100,6 +100,7 @@ class ZeRO(Strategy):
             )
         self.stage, self.world_size, self.offload = stage, world_size, offload
         self.name = f"zero{stage}x{world_size}" + ("_offload" if offload else "")
+        self.classes: list[str] = []  # the sharded blocks' classes (a wrapping policy names them)
 
     # -- for real ------------------------------------------------------------
     def apply(self, workload: Workload) -> None:
@@ -129,9 +130,28 @@ class ZeRO(Strategy):
 
     # -- simulated -----------------------------------------------------------
     def apply_simulated(self, workload: Workload) -> None:
+        self.classes = sorted({type(b).__name__ for _, b in find_blocks(workload.model)})
         workload.applied.append(self.name)
 
-    def code_change(self, facts=None) -> str:
+    def code_change(self, facts=None, door: Door | str = Door.SCRIPT) -> str:
+        door, n = Door.of(door), self.world_size
+        policy = "{" + ", ".join(self.classes) + "}" if self.classes else "{<block class>}"
+        if door is Door.LIGHTNING:
+            if self.stage == 1 or (self.stage == 2 and self.offload):
+                offload = ", offload_optimizer=True" if self.offload else ""
+                return f"Trainer(devices={n}, strategy=DeepSpeedStrategy(stage={self.stage}{offload}))"
+            sharding = "FULL_SHARD" if self.stage == 3 else "SHARD_GRAD_OP"
+            offload = ", cpu_offload=True" if self.offload else ""
+            return (f"Trainer(devices={n}, strategy=FSDPStrategy(sharding_strategy={sharding!r}, "
+                    f"auto_wrap_policy={policy}{offload}))")
+        if door is Door.HF:
+            launch = f" under torchrun --nproc-per-node {n}"
+            if self.stage == 1 or (self.stage == 2 and self.offload):
+                offload = ', "offload_optimizer": {"device": "cpu"}' if self.offload else ""
+                return f'TrainingArguments(deepspeed={{"zero_optimization": {{"stage": {self.stage}{offload}}}}}){launch}'
+            how = ("full_shard" if self.stage == 3 else "shard_grad_op") + (" offload" if self.offload else "")
+            return (f"TrainingArguments(fsdp={how + ' auto_wrap'!r}, fsdp_config={{'transformer_layer_cls_to_wrap': "
+                    f"{sorted(self.classes) or ['<block class>']}}}){launch}")
         if self.stage == 1:
             how = "torch.distributed.optim.ZeroRedundancyOptimizer around the optimizer, under DistributedDataParallel"
         else:
@@ -215,7 +235,9 @@ class StateOffload(ZeRO):
         super().__init__(3, 1, offload=True)
         self.name = "offload_states"
 
-    def code_change(self, facts=None) -> str:
+    def code_change(self, facts=None, door: Door | str = Door.SCRIPT) -> str:
+        if Door.of(door) is not Door.SCRIPT:
+            return super().code_change(facts, door)  # ZeRO-3 with offload on one rank, in the trainer's terms
         return (
             "keep parameters, gradients and optimizer state on the host: torch.distributed.fsdp.fully_shard(block, "
             "offload_policy=CPUOffloadPolicy()) on each block, then on the model, in a one-rank process group"
