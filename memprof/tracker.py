@@ -23,6 +23,7 @@ step that drifts from the profiled ones is visible.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -271,6 +272,27 @@ class Tracker:
         finally:
             self._close()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Between two steps, let other work run unseen by this tracker: a
+        simulation on a copy of the model, with a ``track`` block of its own
+        (a trainer callback advising mid-fit). The step about to begin is
+        begun again afterwards, its peak counters reset, as if the pause had
+        not happened."""
+        global _active
+        if not self._active or self._forwards:
+            raise RuntimeError("a tracker pauses between steps only: inside its with block, before the next forward")
+        for handle in self._step_handles:  # the profiled step's process-wide module hooks
+            handle.remove()
+        self._step_handles.clear()
+        _active = None
+        try:
+            yield
+        finally:
+            _active = weakref.ref(self)
+            self._counters.reset_peak()
+            self._begin_step()
+
     def record_oom(self, error: BaseException) -> None:
         """Save (to ``oom_dir``: :attr:`oom_files`) and log what was live as
         ``error`` struck; called on exit when an out-of-memory error leaves the
@@ -294,7 +316,7 @@ class Tracker:
         what is not a parameter, gradient, buffer or optimizer state counts as
         temporaries. ``meta["out_of_memory"]`` holds the error and, for a
         simulated GPU, the bytes requested and the capacity."""
-        for opt in list(self._optimizers.keys()):  # state the failing step created (Adam's first)
+        for opt in self._own_optimizers():  # state the failing step created (Adam's first)
             self._record_optimizer_state(opt)
         report = self.report()
         totals = self._ledger.snapshot()
@@ -535,8 +557,12 @@ class Tracker:
             if g is not None and self._on_device(g):
                 led.add(_storage(g), Category.GRADIENTS, owner, name, replace=True)
         if full:
-            for opt in list(self._optimizers.keys()):
+            for opt in self._own_optimizers():
                 self._record_optimizer_state(opt)
+
+    def _own_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers of the tracked model (``_optimizers`` also remembers the others seen, as not ours)."""
+        return [opt for opt, ours in list(self._optimizers.items()) if ours]
 
     def _record_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
         led = self._ledger

@@ -206,19 +206,52 @@ def test_nested_track_raises():
         pass
 
 
+def test_paused_between_steps_lets_another_tracker_run():
+    model, other = mlp(), mlp()
+    opt, other_opt = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(other.parameters())
+    x = torch.randn(512, 512)
+    with memprof.track(model, warmup=4, every=1) as prof:
+        train(model, opt, x, 2)
+        with prof.paused():  # the next step is profiled: its module hooks come off for the pause
+            with memprof.track(other, warmup=1) as inner:
+                train(other, other_opt, x, 3)
+        train(model, opt, x, 1)
+    r = prof.report()
+    assert len(inner.report().steps) == 3
+    # the other model's steps are not this tracker's: three steps, the third as the first two
+    assert r.steps["step"].tolist() == [0, 1, 2] and r.steps["profiled"].all()
+    assert r.steps["peak_allocated"].iloc[2] == r.steps["peak_allocated"].iloc[1]
+    assert r.peak.bytes["parameters"] == 2 * MiB and r.optimizer_state["exp_avg"] == 2 * MiB
+    refused = []
+
+    def pause_mid_forward(*args):
+        with pytest.raises(RuntimeError, match="between steps only") as e:
+            prof.paused().__enter__()
+        refused.append(e.value)
+
+    with memprof.track(model) as prof:
+        handle = model[0].register_forward_hook(pause_mid_forward)
+        model(x)
+        handle.remove()
+    assert len(refused) == 1
+    with pytest.raises(RuntimeError, match="between steps only"):
+        prof.paused().__enter__()  # after the block
+
+
 def test_other_optimizer_is_ignored():
     model, other = mlp(), mlp()
     opt = torch.optim.AdamW(model.parameters())
-    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)  # 2 MiB of momentum, not ours
     x = torch.randn(512, 512)
-    with memprof.track(model) as prof:
-        for _ in range(2):
+    with memprof.track(model, warmup=3) as prof:
+        for _ in range(3):
             other(x).sum().backward()
             other_opt.step()
             train(model, opt, x, 1)
     r = prof.report()
-    assert len(r.steps) == 2
+    assert len(r.steps) == 3
     assert r.peak.bytes["parameters"] == 2 * MiB
+    assert r.peak.bytes["optimizer_state"] == 4 * MiB + 8  # AdamW's m, v and step counters only
 
 
 def test_explicit_optimizer():
