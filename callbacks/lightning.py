@@ -36,7 +36,10 @@ except ImportError as exc:  # pragma: no cover - exercised with lightning hidden
 
 from typing_extensions import override  # a dependency of torch and of Lightning
 
+from memprof.advisor import parse_budget
+from memprof.devices import get_gpu
 from memprof.report import Report
+from memprof.trainer_advice import TrainerAdvice
 from memprof.tracker import Tracker, track
 from memprof.units import GiB
 
@@ -86,6 +89,24 @@ class MemprofCallback(Callback):
             error reaches the caller unchanged.
         print_report: print the report with rich when training ends, on rank
             zero; otherwise a one-line summary goes to :mod:`logging`.
+        advise: after the warm-up steps (at the end of the fit if it is
+            shorter), rank the memory plans for this fit's step and print
+            them, on rank zero, as ``Trainer`` settings and module code
+            (``precision="bf16-mixed"``, ``accumulate_grad_batches=2`` with
+            the DataLoader's ``batch_size`` halved, checkpointing in
+            ``configure_model``, ``FSDPStrategy``/``DeepSpeedStrategy`` for
+            several devices). The step is the module's own ``training_step``
+            on one real batch, with the optimizer of ``configure_optimizers``,
+            simulated on a meta copy of the module
+            (:func:`memprof.trainer_advice.advise_step`): the fit's weights,
+            gradients and optimizer are not touched. What the fit does
+            already (its precision, its accumulation) is the baseline.
+            ``advice`` then holds the :class:`~memprof.trainer_advice.TrainerAdvice`.
+            Implied by ``budget``; needs ``budget`` or ``target``.
+        budget: device memory per rank the plans must fit in (``"24GiB"``,
+            bytes, or a GPU of the catalogue: its usable memory).
+        target: the GPU simulated for the advice (default: the budget's GPU,
+            else this machine's, else an H100).
     """
 
     def __init__(
@@ -95,12 +116,28 @@ class MemprofCallback(Callback):
         log_metrics: bool = True,
         save_path: str | os.PathLike | None = None,
         print_report: bool = True,
+        advise: bool = False,
+        budget: int | str | None = None,
+        target: str | None = None,
     ) -> None:
         for arg, value in (("warmup", warmup), ("every", every)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{arg} must be an integer >= 0, got {value!r}")
         if save_path is not None and not isinstance(save_path, (str, os.PathLike)):
             raise TypeError(f"save_path must be a path or None, got {type(save_path).__name__}")
+        self.advise = advise or budget is not None
+        if self.advise:
+            if budget is None and target is None:
+                raise ValueError('advise=True needs a budget or a target: MemprofCallback(budget="24GiB") or '
+                                 'MemprofCallback(advise=True, target="h100")')
+            parse_budget(budget if budget is not None else target)  # a bad value fails here, not mid-fit
+            if target is not None:
+                get_gpu(target)
+        self.budget = budget if budget is not None else target
+        self.target = target
+        #: The advice of the latest fit that asked for it (``None`` before).
+        self.advice: TrainerAdvice | None = None
+        self._watch = None  # what the step does (its checkpointed blocks), while the advised step runs
         self.warmup = warmup
         self.every = every
         self.log_metrics = log_metrics
@@ -127,6 +164,7 @@ class MemprofCallback(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._log_profiled_steps(trainer)
+        self._maybe_advise(trainer, pl_module, batch)
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -148,6 +186,7 @@ class MemprofCallback(Callback):
     def _reset(self) -> None:
         """Start a fit afresh; a tracker left open by an aborted fit is closed, unsaved."""
         self._close(None)
+        self.advice = None
         self._steps_seen = 0
         self._trained = False
 
@@ -162,6 +201,11 @@ class MemprofCallback(Callback):
         tracker.__enter__()
         self._tracker = tracker
         self._trained = True
+        if self.advise and self.advice is None:
+            from memprof.script_advice import _Watch
+
+            # Which blocks the module checkpoints already shows in its steps (a forward run again in backward).
+            self._watch = _Watch(pl_module, trainer.optimizers[0]) if trainer.optimizers else None
 
     def _log_profiled_steps(self, trainer: "pl.Trainer") -> None:
         tracker = self._tracker
@@ -179,9 +223,55 @@ class MemprofCallback(Callback):
             sep = logger.group_separator
             logger.log_metrics({f"memprof{sep}{k}": v for k, v in metrics.items()}, step=self._step_offset + peak.step)
 
+    def _maybe_advise(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any) -> None:
+        """Advise once per fit, at the end of the warm-up steps (or of a shorter fit)."""
+        if self._watch is None or self._tracker is None:
+            return
+        if trainer.global_step - self._step_offset < max(1, min(self.warmup, trainer.estimated_stepping_batches)):
+            return
+        watch, self._watch = self._watch, None
+        checkpointed = watch.close().checkpointed
+        if not trainer.is_global_zero:
+            return
+        try:  # the fit goes on whatever happens here
+            with self._tracker.paused():
+                self.advice = self._advise(trainer, pl_module, batch, checkpointed)
+        except Exception:
+            log.exception("memprof: could not advise on this fit's step")
+            return
+        if self.advice is not None:
+            from rich.console import Console
+
+            Console().print(self.advice)
+
+    def _advise(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+                checkpointed: list[str]) -> TrainerAdvice | None:
+        from memprof.trainer_advice import advise_step
+
+        measured = self._tracker.report()
+        peak = measured.peak
+        seen = f"; measured peak {peak.allocated / GiB:.3f} GiB allocated" if peak is not None else ""
+        strategy = type(trainer.strategy).__name__
+        if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
+            rank_zero_warn(f"MemprofCallback: no advice for a fit with manual optimization or several optimizers{seen}")
+            return None
+        if "FSDP" in strategy or "DeepSpeed" in strategy or "ModelParallel" in strategy:
+            rank_zero_warn(f"MemprofCallback: the fit shards its model already ({strategy}){seen}; memprof advises "
+                           "on the unsharded model of a single-device or DDP fit")
+            return None
+        return advise_step(
+            pl_module, trainer.optimizers[0], batch, _training_loss, self.budget, door="lightning", target=self.target,
+            world_size=trainer.world_size, autocast=_AUTOCAST.get(str(trainer.precision)),
+            micro_batches=trainer.accumulate_grad_batches, checkpointed=checkpointed, shared=[trainer],
+            measured=measured,
+        )
+
     def _close(self, exception: BaseException | None) -> Report | None:
         """Leave the ``track`` block (hooks removed even if this raises); return its report."""
         tracker, self._tracker = self._tracker, None
+        if self._watch is not None:  # the fit ended before the advice
+            self._watch.close()
+            self._watch = None
         if tracker is None:
             return None
         if exception is None:
@@ -238,3 +328,23 @@ class MemprofCallback(Callback):
                     peak.phase,
                     ", ".join(f"{c} {n / GiB:.3f} GiB" for c, n in peak.bytes.items() if n),
                 )
+
+
+# Lightning's precision setting -> the autocast it runs the step under.
+_AUTOCAST = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
+
+
+def _training_loss(module: "pl.LightningModule", batch: Any) -> Any:
+    """``training_step``'s loss, on the simulated copy of the module."""
+    # The copy refers to the live trainer: what it logs would land in the fit's own results.
+    module.log = module.log_dict = _ignore
+    out = module.training_step(batch, 0)
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if loss is None:
+        raise TypeError("training_step returned no loss (None, or a dict without 'loss'): memprof advises on a step "
+                        "whose training_step returns its loss")
+    return loss
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None

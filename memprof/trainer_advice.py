@@ -83,8 +83,11 @@ class TrainerAdvice(Advice):
             parts.append(Text(f"measured: peak {fmt_bytes(peak.allocated)} allocated in step {peak.step} "
                               f"({peak.phase}) on {self.measured.device}"))
         parts.append(plan_table(self, where=f"simulated {self.gpu.name}"))
+        reasons: dict[str, list[str]] = {}
         for name, why in self.skipped.items():
-            parts.append(Text(f"left out {name}: {why}", style="dim"))
+            reasons.setdefault(why, []).append(name)
+        for why, names in reasons.items():
+            parts.append(Text(f"left out {', '.join(names)}: {why}", style="dim"))
         fits = [p for p in self.table.index[self.table["fits"]] if p != "baseline"][:3]
         if self.best == "baseline":
             parts.append(Text("the step fits as it is; the plans below it trade speed for memory", style="bold"))
@@ -204,7 +207,18 @@ def simulated_copy(model: nn.Module, shared: Iterable[Any] = ()) -> nn.Module:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
+    # memprof's own hooks on the live model (its tracker's) stay with it; the model's own hooks are copied.
+    for m in model.modules():
+        for hooks in vars(m).values():
+            if isinstance(hooks, dict) and any(_ours(h) for h in hooks.values()):
+                memo[id(hooks)] = copy.deepcopy(type(hooks)((k, h) for k, h in hooks.items() if not _ours(h)), memo)
     return copy.deepcopy(model, memo).to("cuda")
+
+
+def _ours(hook: Any) -> bool:
+    fn = getattr(hook, "func", hook)  # a functools.partial
+    fn = getattr(fn, "__func__", fn)  # a bound method
+    return callable(hook) and getattr(fn, "__module__", "").split(".")[0] == "memprof"
 
 
 def _rebuild(optimizer: torch.optim.Optimizer, groups: list[list[nn.Parameter]]) -> torch.optim.Optimizer:

@@ -265,3 +265,113 @@ def test_missing_lightning_says_how_to_install(monkeypatch):
         from memprof.callbacks import MemprofCallback  # noqa: F401
     with pytest.raises(AttributeError):
         callbacks.NoSuchThing
+
+
+# -- advice --------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Blocks(L.LightningModule):
+    """Four repeated blocks on 8192 x 128 inputs: activations outweigh the 0.5 M parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(128, 128), nn.Linear(128, 10)
+        self.blocks = nn.ModuleList([Block(128) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.cross_entropy(self(batch[0]), batch[1])
+        self.log("train_loss", loss)  # what the copy logs must not reach the fit's results
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def fit_blocks(callback, max_steps=3, **trainer_kw):
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(8192 * 3, 128, generator=g), torch.randint(0, 10, (8192 * 3,), generator=g))
+    model = Blocks()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **trainer_kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, DataLoader(data, batch_size=8192 // trainer.accumulate_grad_batches))
+    return trainer, model
+
+
+def test_advice_in_lightning_terms_for_a_budget_that_forces_checkpointing(tmp_path, capsys):
+    # bf16-mixed already: the baseline runs under bf16 autocast (92 MiB reserved on the simulated
+    # RTX 3060); checkpointing the four blocks brings it to 72 MiB, under 80 MiB less the 5 % margin.
+    cb = MemprofCallback(budget="80MiB", target="rtx3060", warmup=2, print_report=False)
+    trainer, model = fit_blocks(cb, precision="bf16-mixed", logger=False)
+    advice = cb.advice
+    assert advice.best == "ckpt"
+    assert advice.facts.autocast == "bf16" and advice.facts.micro_batches == 1
+    assert not advice.table.loc["baseline", "fits"]
+    assert all("bf16" not in plan for plan in advice.table.index)  # done already: left out, and said so
+    assert advice.skipped["bf16+ckpt"] == "the fit already runs under bf16 autocast"
+    assert advice.settings() == [
+        "in the LightningModule's configure_model, checkpoint each repeated block: `block.forward = "
+        "functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)` for blocks.0, "
+        "blocks.1, blocks.2, ... (with FSDPStrategy: FSDPStrategy(activation_checkpointing_policy={Block}))"
+    ]
+    out = capsys.readouterr().out
+    assert "ckpt:" in out and "left out bf16," in out
+    assert advice.measured.peak.bytes["parameters"] == sum(p.numel() * 4 for p in model.parameters())
+    assert_no_hooks(model)
+
+
+def test_advice_for_a_budget_that_forces_accumulation_leaves_the_fit_alone():
+    # 64 MiB less the margin: only plans with micro-batches of half the batch or less fit.
+    cb = MemprofCallback(budget="64MiB", target="rtx3060", warmup=1, print_report=False)
+    trainer, model = fit_blocks(cb, precision="bf16-mixed", logger=False)
+    assert cb.advice.best == "accum2"
+    assert cb.advice.settings() == [
+        "Trainer(accumulate_grad_batches=2) and DataLoader(batch_size=4096): the same 8192 samples per optimizer step"
+    ]
+    # The advice ran on a meta copy: the fit trained exactly as without it.
+    plain = MemprofCallback(warmup=1, print_report=False)
+    _, same = fit_blocks(plain, precision="bf16-mixed", logger=False)
+    for a, b in zip(model.parameters(), same.parameters()):
+        assert torch.equal(a, b)
+    assert len(cb.report.steps) == len(plain.report.steps) == 3
+    assert cb.report.steps["profiled"].tolist() == plain.report.steps["profiled"].tolist()
+    assert_no_hooks(model)
+
+
+def test_advice_starts_from_the_fits_accumulation_and_precision():
+    cb = MemprofCallback(budget="rtx3060", warmup=1, print_report=False)
+    trainer, _ = fit_blocks(cb, max_steps=2, accumulate_grad_batches=2, logger=False)
+    advice = cb.advice
+    assert advice.gpu.name == "RTX3060-12GB"
+    assert advice.facts.micro_batches == 2 and advice.facts.autocast is None
+    assert advice.facts.batch_size == 4096
+    assert advice.best == "baseline"  # 12 GB is plenty
+    assert advice.settings("bf16") == ["Trainer(precision='bf16-mixed')"]
+    assert advice.settings("accum2") == [
+        "Trainer(accumulate_grad_batches=4) and DataLoader(batch_size=2048): the same 8192 samples per optimizer step"
+    ]
+
+
+def test_advice_asked_wrongly_fails_at_construction():
+    with pytest.raises(ValueError, match=r'advise=True needs a budget or a target: MemprofCallback\(budget="24GiB"\)'):
+        MemprofCallback(advise=True)
+    with pytest.raises(ValueError, match="budget '12 potatoes'"):
+        MemprofCallback(budget="12 potatoes")
+    with pytest.raises(ValueError, match="no-such-gpu"):
+        MemprofCallback(budget="24GiB", target="no-such-gpu")
+    assert MemprofCallback().advise is False and MemprofCallback(budget="24GiB").advise is True
