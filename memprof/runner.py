@@ -332,7 +332,7 @@ def observe_script(
         device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu, capacity=usable_bytes(gpu) if oom else None))
 
     observer = _Observer(steps, warmup, timeout, on_model, simulated=gpu is not None, on_step=on_step,
-                         early=gpu is not None and oom)
+                         early=oom)
     saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
     outcome: BaseException | None = None
     try:

@@ -219,6 +219,38 @@ def test_cli_track_gpt2_that_does_not_fit_in_its_first_step(tmp_path):
     assert peak <= usable_bytes(get_gpu("rtx3060"))
 
 
+FIRST_FORWARD_OOM = """
+import torch
+from torch import nn
+
+class Huge(nn.Module):  # stands for a GPU that runs out: the CUDA caching allocator's own error type
+    def forward(self, x):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+model = nn.Sequential(nn.Linear(512, 512), Huge())
+opt = torch.optim.AdamW(model.parameters())
+for step in range(3):
+    model(torch.randn(64, 512)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_cli_track_a_real_run_out_of_memory_in_its_first_forward(tmp_path):
+    """Measured, not simulated: the first step's forward runs out before memprof
+    knows the optimizer; the early tracking of the first module explains it."""
+    (tmp_path / "first.py").write_text(FIRST_FORWARD_OOM)
+    r = memprof_cli("track", "first.py", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (json_path,) = tmp_path.glob("memprof-oom-*.json")
+    assert f"before the first tracked step; what was live then, by category and module, is in {json_path.name}" in r.stderr
+    report = Report.load(json_path)
+    assert report.peak.step == 0 and report.peak.phase == "forward Sequential.1"
+    assert report.peak.bytes["parameters"] == (512 * 512 + 512) * 4
+    assert report.peak.bytes["inputs"] == 64 * 512 * 4
+    assert report.peak.bytes["gradients"] == report.peak.bytes["optimizer_state"] == 0
+
+
 def _gpt2():
     import importlib.util
 
