@@ -220,7 +220,14 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
         except OSError as exc:
             raise OSError(f"cannot write {path!r}: {exc.strerror or exc}; pick a writable path") from None
         _line(console, f"advice saved to {path}")
-    _save(console, advice.baseline, args.html, html=True)
+    if args.html:
+        from .html import save_advice_html
+
+        try:
+            save_advice_html(advice, args.html)
+        except OSError as exc:
+            raise OSError(f"cannot write the HTML page to {args.html!r}: {exc.strerror or exc}; pick a writable path") from None
+        _line(console, f"HTML page saved to {args.html}: the plans and the baseline's report")
     return 0
 
 
@@ -462,7 +469,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", metavar="GPU", default=None, help="simulate this GPU even when one is present")
     p.add_argument("--verify", action="store_true", help="run the top plans for real on this GPU and measure them")
     p.add_argument("--json", metavar="PATH", default=None, help="save the advice as JSON (schema: docs/advise-json.md)")
-    p.add_argument("--html", metavar="PATH", default=None, help="save the baseline's report as an HTML page")
+    p.add_argument("--html", metavar="PATH", default=None,
+                   help="save the ranked plans and the baseline's report as a self-contained HTML page")
     p.add_argument("--top", type=_positive_int, default=None, metavar="K", help="show only the K best plans")
     p.add_argument("--timeout", type=_positive_float, default=None, help="give up on a run after this many seconds")
     p.add_argument("--verbose", action="store_true", help="show the script's own output (default: kept in a log file)")
