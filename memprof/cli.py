@@ -521,6 +521,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if script_args and args.command not in ("track", "advise"):
         parser.error(f"arguments after -- go to a script, and only `memprof track` and `memprof advise` run one: {' '.join(script_args)}")
     args.script_args = script_args
+    if getattr(args, "html", None):
+        from .html import require_plotly
+
+        try:  # before the script runs, not after
+            require_plotly()
+        except ImportError as exc:
+            return _fail(str(exc))
 
     # Library code logs; show memprof's messages on stderr while the command runs.
     logger = logging.getLogger("memprof")

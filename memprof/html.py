@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .advisor import Advice
     from .report import Report
 
-__all__ = ["report_html", "advice_html", "save_advice_html", "timeline_figure", "module_figure", "advice_figure"]
+__all__ = ["report_html", "advice_html", "save_advice_html", "require_plotly", "timeline_figure", "module_figure", "advice_figure"]
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ p.note { color: #555; max-width: 60em; }
 """
 
 
-def _plotly():
+def require_plotly():
+    """plotly's graph objects, or an ImportError that says how to install it."""
     try:
         import plotly.graph_objects as go
     except ImportError as exc:
@@ -132,7 +133,7 @@ def timeline_figure(report: "Report", budget: int | None = None) -> "go.Figure |
     the allocator's counters give the reserved bytes), with the phase bands,
     the peak, and the budget and the device's use at the peak as lines.
     None without a timeline."""
-    go = _plotly()
+    go = require_plotly()
     tl = report.timeline.reset_index(drop=True)
     if tl.empty:
         return None
@@ -218,7 +219,7 @@ def module_figure(report: "Report", top: int = TOP_MODULES) -> "go.Figure | None
     """Horizontal stacked bars: what each module held at the peak, its
     submodules included (the root's children and the biggest others, ``top``
     in all). None without modules."""
-    go = _plotly()
+    go = require_plotly()
     df = report.modules
     cols = [c.value for c in MODULE_CATEGORIES if c.value in df]
     if df.empty or not cols:
@@ -383,7 +384,7 @@ def _plans(advice: "Advice", verified: pd.DataFrame | None) -> pd.DataFrame:
 def advice_figure(advice: "Advice", verified: pd.DataFrame | None = None) -> "go.Figure":
     """Grouped bars per plan: peak reserved and allocated (predicted, and measured where
     verified) against the budget, and the step time. Plans that do not fit are faded."""
-    go = _plotly()
+    go = require_plotly()
     from plotly.subplots import make_subplots
 
     t = _plans(advice, verified)

@@ -11,6 +11,7 @@ unchanged by the caller.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ from .report import Report, module_children
 from .units import fmt_bytes
 
 __all__ = ["concentration", "explain", "save"]
+
+log = logging.getLogger(__name__)
 
 
 def concentration(report: Report, category: str) -> tuple[str, int] | None:
@@ -67,14 +70,15 @@ def explain(report: Report, files: tuple[Path, Path] | None = None) -> str:
         else:
             text += f", most of it in {where[0]} ({fmt_bytes(where[1])})."
     if files:
-        text += f" The breakdown at that moment is in {files[0]} and {files[1]}."
+        text += f" The breakdown at that moment is in {' and '.join(map(str, files))}."
     text += (" `memprof advise` with this GPU as the budget lists the plans that fit"
              " (mixed precision, checkpointing, accumulation, offload, sharding).")
     return text
 
 
-def save(report: Report, directory: str | os.PathLike = ".") -> tuple[Path, Path]:
-    """Write ``report`` as ``memprof-oom-<time>.json`` and ``.html`` in ``directory``; returns both paths."""
+def save(report: Report, directory: str | os.PathLike = ".") -> tuple[Path, ...]:
+    """Write ``report`` as ``memprof-oom-<time>.json`` and ``.html`` in ``directory``; returns their paths
+    (the JSON's alone without plotly, which draws the page: the breakdown matters more than its page)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     stem = directory / time.strftime("memprof-oom-%Y%m%d-%H%M%S")
@@ -82,4 +86,9 @@ def save(report: Report, directory: str | os.PathLike = ".") -> tuple[Path, Path
     while path.with_suffix(".json").exists():  # two errors within a second keep both
         n += 1
         path = stem.with_name(f"{stem.name}-{n}")
-    return report.save(path.with_suffix(".json")), report.save_html(path.with_suffix(".html"))
+    saved = report.save(path.with_suffix(".json"))
+    try:
+        return saved, report.save_html(path.with_suffix(".html"))
+    except ImportError as exc:
+        log.warning("%s; the breakdown is in %s", exc, saved)
+        return (saved,)

@@ -94,7 +94,7 @@ class _Observer:
         self._previous_profile: Any = None
         self._profiling = False
         self._stack = ExitStack()  # every hook and the tracker: closed in one place
-        self.oom_files: tuple[Path, Path] | None = None  # an out-of-memory error's breakdown
+        self.oom_files: tuple[Path, ...] | None = None  # an out-of-memory error's breakdown
 
     # -- lifetime --------------------------------------------------------------
     def install(self) -> None:
@@ -140,7 +140,7 @@ class _Observer:
             early, self._early = self._early, None
             early.__exit__(_Stop, _Stop(), None)
 
-    def record_oom(self, error: BaseException) -> tuple[Path, Path] | None:
+    def record_oom(self, error: BaseException) -> tuple[Path, ...] | None:
         """Let the tracker in charge (the early one before the model is known) record ``error``; its files."""
         tracker = self.tracker or self._early
         if tracker is None:
@@ -393,7 +393,7 @@ def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outco
         gpu = f"the simulated {device.gpu.name}" if device is not None else "the GPU"
         when = f"in tracked step {done}" if tracker is not None else "before the first tracked step"
         files = observer.oom_files
-        said = (f"what was live then, by category and module, is in {files[0]} and {files[1]}" if files else
+        said = (f"what was live then, by category and module, is in {' and '.join(map(str, files))}" if files else
                 f"{outcome}; `memprof advise` with this GPU as the budget simulates what each plan needs and which fit")
         raise ScriptError(f"the script ran out of memory on {gpu}{where} {when}; {said}", report) from outcome
     if failed:

@@ -72,13 +72,23 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
                 yield o
 
 
-def _on_first_grad(obj: Any, fn) -> list[torch.Tensor]:
-    """Call ``fn`` when backward reaches the first of ``obj``'s tensors that need grad."""
+def _on_first_grad(obj: Any, fn, handles: list) -> list[torch.Tensor]:
+    """Call ``fn`` when backward reaches the first of ``obj``'s tensors that need grad.
+
+    A hook on a tensor made in the step dies with the step's graph. A hook on
+    a leaf (an input that needs grad, a parameter passed to a module) lives
+    as long as the leaf, so one would pile up at every profiled step and
+    outlive the block: its handle goes to ``handles``, removed at the step's end.
+    """
     tensors = [t for t in _tensors(obj) if t.requires_grad]
     if len(tensors) == 1:  # the common case; a plain tensor hook costs a third of a multi-grad hook
-        tensors[0].register_hook(fn)
+        handle = tensors[0].register_hook(fn)
     elif tensors:
-        register_multi_grad_hook(tensors, fn, mode="any")
+        handle = register_multi_grad_hook(tensors, fn, mode="any")
+    else:
+        return tensors
+    if any(t.is_leaf for t in tensors):
+        handles.append(handle)
     return tensors
 
 
@@ -214,7 +224,7 @@ class Tracker:
         # retry with a smaller batch) and the phase it struck in.
         self._failed: tuple[str, str] | None = None
         #: The forensic report's JSON and HTML paths, once an out-of-memory error left the block.
-        self.oom_files: tuple[Path, Path] | None = None
+        self.oom_files: tuple[Path, ...] | None = None
         self._full_steps: deque[int] = deque(maxlen=history)
         self._full = True  # whether the current profiled step reads the counters at every boundary
         # The model's parameters with their owner and name, found by full steps.
@@ -673,7 +683,7 @@ class Tracker:
             self._push_saved_hooks()
         self._fwd.append(_Span(name, alloc))
         if not self._recompute and self._watches_backward(name, outer):
-            _on_first_grad(args, lambda g, n=name: self._on_backward_end(n))
+            _on_first_grad(args, lambda g, n=name: self._on_backward_end(n), self._step_handles)
 
     def _watches_backward(self, name: str, outer: bool) -> bool:
         """Whether to sample where ``name``'s backward begins and ends: always
@@ -709,7 +719,7 @@ class Tracker:
         if self._full:
             self._fwd_delta[name] = max(self._fwd_delta[name], max(span.high, alloc) - span.start)
         if self._watches_backward(name, outer):
-            outs = _on_first_grad(output, lambda g, n=name: self._on_backward_start(n))
+            outs = _on_first_grad(output, lambda g, n=name: self._on_backward_start(n), self._step_handles)
             if outer and outs:
                 self._hook_graph(outs)
 
@@ -1082,9 +1092,17 @@ def track(
     step's coarse phases),
     which costs a fraction; a step that peaks elsewhere makes the next
     profiled step a full one again (``full=True``: every profiled step is a
-    full one; ``report().meta["full_profiles"]`` lists them). The timeline holds the samples of the
-    latest ``timeline_steps`` full steps; the steps table (``report().steps``)
-    the latest ``history`` steps.
+    full one; ``report().meta["full_profiles"]`` lists them).
+
+    What a run keeps is bounded, whatever its length. The steps table
+    (``report().steps``) holds one row for each of the latest ``history``
+    steps (``min(steps, history)`` rows), ``meta["profiled_steps"]`` and
+    ``meta["full_profiles"]`` at most ``history`` step numbers each, and the
+    timeline the samples of the latest ``timeline_steps`` full steps (at most
+    50,000 a step). So a report grows by about 200 bytes of saved JSON a step
+    until ``history`` steps have run (2 MB at the default), then stays that
+    size. The rest the tracker holds is per module or per live storage, and
+    a profiled step's hooks are removed when it ends or die with its graph.
 
     On CUDA, the categories of every sample add up to
     ``torch.cuda.memory_allocated()``, and a step's peak breakdown adds up to

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import memprof
+import memprof.cli
 from memprof.advisor import advise
 from memprof.categories import ALLOCATED
 from memprof.html import advice_html, report_html, save_advice_html
@@ -173,11 +174,20 @@ def test_an_empty_report_has_a_page():
     assert "No profiled step yet" in page and "No profiled step: no timeline" in page and figures(page) == {}
 
 
-def test_without_plotly_the_error_says_what_to_install(report, monkeypatch):
+def test_without_plotly_the_error_says_what_to_install(report, monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "plotly", None)
     monkeypatch.setitem(sys.modules, "plotly.graph_objects", None)
     with pytest.raises(ImportError, match=r'pip install plotly \(or pip install "memprof\[html\]"\)'):
         report.to_html()
+    # an out-of-memory breakdown is still written, as JSON alone
+    from memprof import oom
+
+    (json_path,) = oom.save(report, tmp_path)
+    assert json_path.suffix == ".json" and memprof.Report.load(json_path).peak == report.peak
+    assert [p.suffix for p in tmp_path.iterdir()] == [".json"]
+    # and the command line says so before it runs a script
+    assert memprof.cli.main(["track", "no_such_script.py", "--html", str(tmp_path / "r.html")]) == 2
+    assert 'pip install plotly (or pip install "memprof[html]")' in capsys.readouterr().err
 
 
 # -- advice ---------------------------------------------------------------------------
