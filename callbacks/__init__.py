@@ -2,7 +2,9 @@
 
 Each integration is imported when first used, so ``import memprof.callbacks``
 does not import its trainer library: ``MemprofCallback`` (Lightning) needs
-``pip install lightning`` or ``pip install "memprof[lightning]"``.
+``pip install lightning`` or ``pip install "memprof[lightning]"``;
+``MemprofTrainerCallback`` (Hugging Face ``Trainer``) needs
+``pip install transformers`` or ``pip install "memprof[hf]"``.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .hf import MemprofTrainerCallback
     from .lightning import MemprofCallback
 
-__all__ = ["MemprofCallback"]
+__all__ = ["MemprofCallback", "MemprofTrainerCallback"]
 
 # attribute -> submodule that defines it
-_LAZY = {"MemprofCallback": ".lightning"}
+_LAZY = {"MemprofCallback": ".lightning", "MemprofTrainerCallback": ".hf"}
 
 
 def __getattr__(name: str) -> Any:
