@@ -28,10 +28,8 @@ checkpoint it resumed from): Hugging Face numbers a step once it is done.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -400,7 +398,7 @@ class MemprofTrainerCallback(TrainerCallback):
 
         Console().print(advice)
         try:
-            path = _write_json(Path(args.output_dir) / ADVICE_FILE, advice.to_dict())
+            path = advice.save(Path(args.output_dir) / ADVICE_FILE)
             log.info("memprof: advice saved to %s", path)
         except (OSError, TypeError, ValueError) as exc:
             log.warning("memprof: could not save the advice to %s: %s", args.output_dir, exc)
@@ -418,10 +416,7 @@ class MemprofTrainerCallback(TrainerCallback):
         if not checkpointed and (_checkpointing_requested(args) or any(
                 getattr(m, "gradient_checkpointing", False) is True for m in model.modules())):
             checkpointed = [n for n, _ in blocks]
-        # The simulation runs on meta tensors on a simulated GPU, but restore the
-        # random state anyway, so the run's dropout masks are those it would have had.
-        devices = [args.device] if args.device.type == "cuda" else []
-        with self._tracker.paused(), torch.random.fork_rng(devices=devices):
+        with self._tracker.paused():
             return advise_step(
                 model, optimizer, inputs, lambda m, batch: trainer.compute_loss(m, batch), self.budget,
                 door="hf", target=self.target, world_size=args.world_size,
@@ -471,17 +466,3 @@ def _sharded(trainer: Trainer, args: TrainingArguments, model: nn.Module) -> str
         return "DTensor parameters"
     return ""
 
-
-def _write_json(path: Path, data: dict) -> Path:
-    """Write JSON through a temporary file and a rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            # numpy scalars from the plan table's records
-            json.dump(data, f, indent=1, default=lambda o: o.item() if hasattr(o, "item") else str(o))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path

@@ -32,7 +32,7 @@ from rich.table import Table
 from . import __version__
 from .devices import get_gpu, list_gpus
 from .estimate import OFFLOADS, OPTIMIZERS, PRECISIONS, estimate_model_states
-from .report import Report
+from .report import Report, _json_default
 from .runner import ScriptError, observe_script
 from .units import GiB, fmt_bytes
 
@@ -216,7 +216,7 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
         path = args.json
         try:
             with open(path, "w") as f:
-                json.dump(advice.to_dict(), f, indent=1, default=_plain)
+                json.dump(advice.to_dict(), f, indent=1, default=_json_default)
         except OSError as exc:
             raise OSError(f"cannot write {path!r}: {exc.strerror or exc}; pick a writable path") from None
         _line(console, f"advice saved to {path}")
@@ -296,12 +296,6 @@ def _tail(console: Console, path: str | None, lines: int = 20) -> None:
         _line(console, f"memprof: the last lines of the script's output ({path}):")
         for t in text:
             _line(console, f"  | {t}")
-
-
-def _plain(o):
-    if hasattr(o, "item"):
-        return o.item()
-    raise TypeError(f"cannot serialise {type(o).__name__}")
 
 
 def _save(console: Console, report: Report, path: str | None, html: bool = False) -> None:

@@ -17,8 +17,11 @@ never touched. Each plan is then phrased in the trainer's own terms
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import pandas as pd
@@ -70,6 +73,12 @@ class TrainerAdvice(Advice):
             "skipped": dict(self.skipped),
             "plans": self.table.reset_index().to_dict(orient="records"),
         }
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write :meth:`to_dict` as JSON to ``path`` (atomically)."""
+        from .report import _atomic_write, _json_default
+
+        return _atomic_write(path, lambda f: json.dump(self.to_dict(), f, indent=1, default=_json_default))
 
     def __rich__(self):
         from rich.console import Group
@@ -190,8 +199,11 @@ def advise_step(
             skipped[name] = ("the fit already checkpoints the repeated blocks" if covered
                              else "the model has no repeated blocks to checkpoint")
     plans = {n: f for n, f in plans.items() if n not in skipped}
-    advice = advise(make, budget, target=gpu, world_size=world_size, plans=plans, margin=margin, progress=progress)
-    applied = _applied(make, advice)
+    # A simulated dropout draws from the host's generator: the fit's own masks must not change.
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        advice = advise(make, budget, target=gpu, world_size=world_size, plans=plans, margin=margin, progress=progress)
+        applied = _applied(make, advice)
     return TrainerAdvice(advice.budget, advice.gpu, world_size, advice.table, advice.baseline, advice.plans,
                          door=door, facts=facts, skipped=skipped, measured=measured, applied=applied)
 
