@@ -112,7 +112,7 @@ class MemprofTrainerCallback(TrainerCallback):
     (:func:`memprof.trainer_advice.advise_step`) and prints them as
     ``TrainingArguments`` settings (``bf16=True``,
     ``gradient_accumulation_steps`` with ``per_device_train_batch_size``,
-    ``gradient_checkpointing=True``, ``fsdp=``/``deepspeed=`` with offload
+    ``activation_checkpointing=True``, ``fsdp=``/``deepspeed=`` with offload
     for several ranks). The step is ``trainer.compute_loss`` on the keyword
     arguments of the model's first training forward in that step (one real
     micro-batch) with the run's optimizer, simulated on a meta copy of the

@@ -48,6 +48,16 @@ _KEEP = [
 ]
 
 
+def _hf_checkpointing_argument() -> str:
+    """``TrainingArguments``' name for checkpointing: ``activation_checkpointing`` since
+    transformers 5 (``gradient_checkpointing`` stays as its deprecated alias)."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return "gradient_checkpointing"
+    return "activation_checkpointing" if hasattr(TrainingArguments, "activation_checkpointing") else "gradient_checkpointing"
+
+
 def _disable_kv_cache(workload: Workload) -> None:
     """Turn off a Hugging Face model's key/value cache, as its own
     ``gradient_checkpointing_enable()`` does: the cache would keep every
@@ -112,6 +122,7 @@ class Checkpointing(Strategy):
             return (f"in the LightningModule's configure_model, checkpoint each repeated block: {wrap} "
                     f"(with FSDPStrategy: FSDPStrategy(activation_checkpointing_policy={policy}))")
         if door is Door.HF and not self.selective:
-            return ("TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={'use_reentrant': False}) "
+            name = _hf_checkpointing_argument()
+            return (f"TrainingArguments({name}=True, {name}_kwargs={{'use_reentrant': False}}) "
                     f"(a model without Hugging Face's support for it: {wrap} before training)")
         return f"checkpoint each repeated block: {wrap} (Hugging Face: model.gradient_checkpointing_enable())"

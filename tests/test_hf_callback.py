@@ -19,6 +19,8 @@ import memprof  # noqa: E402
 from memprof.callbacks import MemprofTrainerCallback  # noqa: E402
 
 GiB = 1 << 30
+# TrainingArguments' checkpointing flag: activation_checkpointing since transformers 5, gradient_checkpointing before.
+CKPT = "activation_checkpointing" if hasattr(TrainingArguments, "activation_checkpointing") else "gradient_checkpointing"
 
 # The advice tests' models. Their budgets sit well inside the window where the named
 # plan is the fastest that fits on a simulated RTX 3060 (5 % margin on the simulation):
@@ -218,7 +220,7 @@ def test_advice_forces_checkpointing(tmp_path):
     advice = cb.advice
     assert advice.best == "ckpt"
     assert advice.settings() == [
-        "TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={'use_reentrant': False}) "
+        f"TrainingArguments({CKPT}=True, {CKPT}_kwargs={{'use_reentrant': False}}) "
         "(a model without Hugging Face's support for it: `block.forward = functools.partial("
         "torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)` for transformer.h.0, "
         "transformer.h.1 before training)"
@@ -232,10 +234,10 @@ def test_advice_forces_checkpointing(tmp_path):
 
 
 def test_a_checkpointing_run_is_the_baseline(tmp_path):
-    # With gradient_checkpointing=True the run checkpoints every block already: those plans are left out.
+    # With checkpointing on, the run checkpoints every block already: those plans are left out.
     data = dict(seq=LOGITS["seq"], vocab=LOGITS["vocab"], n=16)
-    trainer = make_trainer(tmp_path, gpt2(**LOGITS), max_steps=1, data=data, gradient_checkpointing=True,
-                           gradient_accumulation_steps=1)
+    trainer = make_trainer(tmp_path, gpt2(**LOGITS), max_steps=1, data=data, gradient_accumulation_steps=1,
+                           **{CKPT: True})
     cb = train(trainer, warmup=1, every=0, budget="60MiB", target="rtx3060")
     assert cb.advice.facts.checkpointed == ["transformer.h.0", "transformer.h.1"]
     assert cb.advice.skipped["ckpt"] == "the fit already checkpoints the repeated blocks"
