@@ -261,7 +261,7 @@ class Tracker:
             self._user_view.__enter__()
             self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
-            self._handles.append(model.register_forward_pre_hook(self._on_root_pre))
+            self._handles.append(model.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
             self._wrap_zero_grad(model)
             if self._optimizer is not None:
                 self._optimizers[self._optimizer()] = True
@@ -649,14 +649,21 @@ class Tracker:
         return alloc
 
     # -- hooks: forward --------------------------------------------------------
-    def _on_root_pre(self, module: nn.Module, args: tuple) -> None:
+    def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._forwards += 1
+        # Inputs passed by keyword (Hugging Face's model(**batch)): the process-wide
+        # pre-hook that names the positional ones (_on_pre, which ran first) sees no kwargs.
+        if kwargs and self._profiled and not self._recompute and self._fwd:
+            name = self._names.get(module)
+            for t in _tensors(kwargs):
+                if self._on_device(t):
+                    self._ledger.add(_storage(t), Category.INPUTS, name)
 
     def _enter_in_forward(self, model: nn.Module, args: tuple) -> "Tracker":
         """Enter from inside ``model``'s forward pre-hooks, which PyTorch has
         already gathered for this call: run the tracker's own for it too."""
         self.__enter__()
-        self._on_root_pre(model, args)
+        self._on_root_pre(model, args, {})
         if self._profiled:
             self._on_pre(model, args)
         return self

@@ -238,6 +238,30 @@ def test_paused_between_steps_lets_another_tracker_run():
         prof.paused().__enter__()  # after the block
 
 
+def test_inputs_passed_by_keyword():
+    """Hugging Face calls model(**batch): keyword tensors are inputs as positional ones are."""
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(512, 512, bias=False)
+
+        def forward(self, x, mask=None):
+            return self.lin(x) * mask
+
+    model = Masked()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, mask = torch.randn(512, 512), torch.ones(512, 512)
+    with memprof.track(model, warmup=2) as prof:
+        for _ in range(2):
+            model(x=x, mask=mask).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    r = prof.report()
+    assert r.peak.bytes["inputs"] == 2 * MiB  # x and mask, 1 MiB each
+    assert r.modules.loc["Masked", "inputs"] == 2 * MiB
+
+
 def test_other_optimizer_is_ignored():
     model, other = mlp(), mlp()
     opt = torch.optim.AdamW(model.parameters())
