@@ -48,7 +48,6 @@ from memprof.advisor import parse_budget
 from memprof.devices import GPU, get_gpu
 from memprof.report import Report
 from memprof.tracker import Tracker, track
-from memprof.units import GiB
 
 if TYPE_CHECKING:
     from memprof.trainer_advice import TrainerAdvice
@@ -276,10 +275,7 @@ class MemprofTrainerCallback(TrainerCallback):
         self._steps_seen = peak.step + 1
         if not self.log_metrics or not state.is_world_process_zero:
             return
-        metrics = {"memprof/peak_allocated_GiB": peak.allocated / GiB}
-        if peak.reserved is not None:
-            metrics["memprof/peak_reserved_GiB"] = peak.reserved / GiB
-        metrics.update({f"memprof/{category}_GiB": n / GiB for category, n in peak.bytes.items()})
+        metrics = {f"memprof/{name}": value for name, value in peak.metrics().items()}
         # trainer.log runs the callbacks' on_log, whose handler clears control.should_log: the
         # trainer's own logging of this step (decided in on_step_end, before us) must still happen.
         should_log = control.should_log
@@ -336,13 +332,7 @@ class MemprofTrainerCallback(TrainerCallback):
             if peak is None:
                 log.info("memprof: %d steps, none profiled", len(report.steps))
             else:
-                log.info(
-                    "memprof: peak %.3f GiB allocated in global step %d (%s); %s",
-                    peak.allocated / GiB,
-                    self._step_offset + peak.step + 1,
-                    peak.phase,
-                    ", ".join(f"{c} {n / GiB:.3f} GiB" for c, n in peak.bytes.items() if n),
-                )
+                log.info("memprof: %s", peak.summary(f"global step {self._step_offset + peak.step + 1}"))
 
     # -- advice ----------------------------------------------------------------
     def _take_batch(self, model: nn.Module) -> None:
@@ -369,8 +359,8 @@ class MemprofTrainerCallback(TrainerCallback):
             return
         measured = self._tracker.report()
         peak = measured.peak
-        seen = (f"measured so far: peak {peak.allocated / GiB:.3f} GiB allocated in global step "
-                f"{self._step_offset + peak.step + 1} ({peak.phase})") if peak is not None else "nothing measured yet"
+        seen = (f"measured so far: {peak.summary(f'global step {self._step_offset + peak.step + 1}')}"
+                if peak is not None else "nothing measured yet")
         sharded = _sharded(self.trainer, args, model)
         if sharded:
             log.warning("memprof: no advice: the model is sharded already (%s), and memprof advises on the unsharded "

@@ -41,7 +41,6 @@ from memprof.devices import get_gpu
 from memprof.report import Report
 from memprof.trainer_advice import TrainerAdvice
 from memprof.tracker import Tracker, track
-from memprof.units import GiB
 
 __all__ = ["MemprofCallback"]
 
@@ -215,10 +214,7 @@ class MemprofCallback(Callback):
         self._steps_seen = peak.step + 1
         if not self.log_metrics or not trainer.loggers or not trainer.is_global_zero:
             return
-        metrics = {"peak_allocated_GiB": peak.allocated / GiB}
-        if peak.reserved is not None:
-            metrics["peak_reserved_GiB"] = peak.reserved / GiB
-        metrics.update({f"{category}_GiB": n / GiB for category, n in peak.bytes.items()})
+        metrics = peak.metrics()
         for logger in trainer.loggers:
             sep = logger.group_separator
             logger.log_metrics({f"memprof{sep}{k}": v for k, v in metrics.items()}, step=self._step_offset + peak.step)
@@ -250,7 +246,7 @@ class MemprofCallback(Callback):
 
         measured = self._tracker.report()
         peak = measured.peak
-        seen = f"; measured peak {peak.allocated / GiB:.3f} GiB allocated" if peak is not None else ""
+        seen = f"; measured {peak.summary(f'step {self._step_offset + peak.step}')}" if peak is not None else ""
         strategy = type(trainer.strategy).__name__
         if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
             rank_zero_warn(f"MemprofCallback: no advice for a fit with manual optimization or several optimizers{seen}")
@@ -321,13 +317,7 @@ class MemprofCallback(Callback):
             if peak is None:
                 log.info("memprof: %d steps, none profiled", len(report.steps))
             else:
-                log.info(
-                    "memprof: peak %.3f GiB allocated in step %d (%s); %s",
-                    peak.allocated / GiB,
-                    self._step_offset + peak.step,
-                    peak.phase,
-                    ", ".join(f"{c} {n / GiB:.3f} GiB" for c, n in peak.bytes.items() if n),
-                )
+                log.info("memprof: %s", peak.summary(f"step {self._step_offset + peak.step}"))
 
 
 # Lightning's precision setting -> the autocast it runs the step under.

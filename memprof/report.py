@@ -132,6 +132,20 @@ class Breakdown:
             return None
         return self.allocated + self.bytes[Category.FRAGMENTATION.value]
 
+    def metrics(self) -> dict[str, float]:
+        """For a logger: ``peak_allocated_GiB``, ``peak_reserved_GiB`` (where known) and
+        ``<category>_GiB`` for each category, floats in GiB (2**30 bytes)."""
+        out = {"peak_allocated_GiB": self.allocated / GiB}
+        if self.reserved is not None:
+            out["peak_reserved_GiB"] = self.reserved / GiB
+        out.update({f"{category}_GiB": n / GiB for category, n in self.bytes.items()})
+        return out
+
+    def summary(self, step: str | None = None) -> str:
+        """One line: the peak, where it fell (in ``step``, default ``"step <n>"``) and its categories."""
+        return (f"peak {self.allocated / GiB:.3f} GiB allocated in {step or f'step {self.step}'} ({self.phase}); "
+                + ", ".join(f"{c} {n / GiB:.3f} GiB" for c, n in self.bytes.items() if n))
+
     @property
     def named_fraction(self) -> float:
         """Share of the allocated bytes that a category other than temporaries explains."""

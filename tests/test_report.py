@@ -118,6 +118,17 @@ def test_module_tree_is_at_the_peak(report):
     assert "<h2>Modules at the peak</h2>" in page and '<section id="modules">' in page  # its content: test_html.py
 
 
+def test_breakdown_metrics_and_summary(report):
+    peak = report.peak
+    metrics = peak.metrics()
+    assert metrics["parameters_GiB"] == 2 * MiB / 2**30 and metrics["optimizer_state_GiB"] == (4 * MiB + 8) / 2**30
+    assert metrics["peak_allocated_GiB"] == peak.allocated / 2**30 and "peak_reserved_GiB" not in metrics  # CPU
+    assert peak.summary() == (f"peak {peak.allocated / 2**30:.3f} GiB allocated in step 2 (backward Sequential.1); "
+                              "parameters 0.002 GiB, gradients 0.001 GiB, optimizer_state 0.004 GiB, activations 0.001 "
+                              "GiB, activation_gradients 0.002 GiB, inputs 0.001 GiB")
+    assert peak.summary("global step 3").startswith(f"peak {peak.allocated / 2**30:.3f} GiB allocated in global step 3 (")
+
+
 def test_old_schema_is_refused(report):
     d = report.to_dict()
     assert d["schema"] == 2
