@@ -49,6 +49,8 @@ from memprof.devices import GPU, get_gpu
 from memprof.report import Report
 from memprof.tracker import Tracker, track
 
+from .common import close_tracker, publish
+
 if TYPE_CHECKING:
     from memprof.trainer_advice import TrainerAdvice
 
@@ -287,13 +289,7 @@ class MemprofTrainerCallback(TrainerCallback):
         self._remove_capture()
         self._batch = None
         tracker, self._tracker = self._tracker, None
-        if tracker is None:
-            return None
-        if exception is None:
-            tracker.__exit__(None, None, None)
-        else:  # a step cut short by an exception is not counted
-            tracker.__exit__(type(exception), exception, exception.__traceback__)
-        return tracker.report()
+        return None if tracker is None else close_tracker(tracker, exception)
 
     def _train_raised(self, exception: BaseException) -> None:
         """``trainer.train`` raised: leave the tracker and publish what was measured; never raises."""
@@ -320,19 +316,8 @@ class MemprofTrainerCallback(TrainerCallback):
             log.exception("memprof: could not close the tracker or save the report of the interrupted training")
 
     def _publish(self, report: Report) -> None:
-        if self.save_report:
-            path = report.save(Path(self.trainer.args.output_dir) / REPORT_FILE)
-            log.info("memprof: report saved to %s", path)
-        if self.print_report:
-            from rich.console import Console
-
-            Console().print(report)
-        else:
-            peak = report.peak
-            if peak is None:
-                log.info("memprof: %d steps, none profiled", len(report.steps))
-            else:
-                log.info("memprof: %s", peak.summary(f"global step {self._step_offset + peak.step + 1}"))
+        path = Path(self.trainer.args.output_dir) / REPORT_FILE if self.save_report else None
+        publish(report, path, self.print_report, lambda k: f"global step {self._step_offset + k + 1}")
 
     # -- advice ----------------------------------------------------------------
     def _take_batch(self, model: nn.Module) -> None:

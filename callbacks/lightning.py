@@ -40,6 +40,8 @@ from memprof.advisor import parse_budget
 from memprof.devices import get_gpu
 from memprof.report import Report
 from memprof.trainer_advice import TrainerAdvice
+
+from .common import close_tracker, publish
 from memprof.tracker import Tracker, track
 
 __all__ = ["MemprofCallback"]
@@ -268,13 +270,7 @@ class MemprofCallback(Callback):
         if self._watch is not None:  # the fit ended before the advice
             self._watch.close()
             self._watch = None
-        if tracker is None:
-            return None
-        if exception is None:
-            tracker.__exit__(None, None, None)
-        else:  # a step cut short by an exception is not counted
-            tracker.__exit__(type(exception), exception, exception.__traceback__)
-        return tracker.report()
+        return None if tracker is None else close_tracker(tracker, exception)
 
     def _finish(self, trainer: "pl.Trainer", exception: BaseException | None = None) -> None:
         if self._tracker is None:
@@ -305,19 +301,7 @@ class MemprofCallback(Callback):
             )
 
     def _publish(self, report: Report) -> None:
-        if self.save_path is not None:
-            path = report.save(self.save_path)
-            log.info("memprof: report saved to %s", path)
-        if self.print_report:
-            from rich.console import Console
-
-            Console().print(report)
-        else:
-            peak = report.peak
-            if peak is None:
-                log.info("memprof: %d steps, none profiled", len(report.steps))
-            else:
-                log.info("memprof: %s", peak.summary(f"step {self._step_offset + peak.step}"))
+        publish(report, self.save_path, self.print_report, lambda k: f"step {self._step_offset + k}")
 
 
 # Lightning's precision setting -> the autocast it runs the step under.
