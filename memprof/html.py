@@ -53,6 +53,8 @@ TOP_MODULES = 30
 _OFF_CHART = 1.5
 # Over more steps than these the timeline's bands go unlabelled, and only some steps are named on the axis.
 _LABELLED_STEPS = 6
+# A band narrower than this share of the samples stays unlabelled (its label would not fit).
+_LABEL_WIDTH = 0.06
 _STEP_TICKS = 12
 _CONFIG = {"responsive": True, "displaylogo": False}
 _CSS = """
@@ -108,7 +110,7 @@ def _levels(fig: "go.Figure", levels: list[tuple[int, str]], top: float, vertica
                           annotation_position="top right", row=1, col=1)
         else:
             fig.add_hline(y=y, line_dash="dash", line_color="#555", annotation_text=f"{label} {fmt_bytes(y)}",
-                          annotation_position="top left")
+                          annotation_position="top right")
     if far:
         fig.add_annotation(xref="paper", yref="paper", x=1, y=1.02, xanchor="right", yanchor="bottom",
                            showarrow=False, font_size=11, text="above the chart: " + "; ".join(far))
@@ -178,8 +180,10 @@ def timeline_figure(report: "Report", budget: int | None = None) -> "go.Figure |
             continue
         if kinds[start] is not None:
             label, colour = kinds[start]
+            # A label wider than its band would run into the next one's.
+            wide = i - 1 - max(start - 1, 0) >= _LABEL_WIDTH * len(tl)
             named = {"annotation_text": label, "annotation_position": "top left", "annotation_font_size": 10,
-                     "annotation_font_color": "#666"} if labelled else {}
+                     "annotation_font_color": "#666"} if labelled and wide else {}
             fig.add_vrect(x0=max(start - 1, 0), x1=i - 1, fillcolor=colour, line_width=0, layer="below", **named)
         start = i
     row, top = _peak_sample(tl)
@@ -196,7 +200,8 @@ def timeline_figure(report: "Report", budget: int | None = None) -> "go.Figure |
     firsts = firsts[:: -(-len(firsts) // _STEP_TICKS)]  # at most that many step labels
     fig.update_layout(
         template="plotly_white", height=460, margin={"t": 50, "r": 20, "b": 50, "l": 70}, hovermode="x unified",
-        legend={"orientation": "h", "y": -0.15}, yaxis={"title": "bytes", **_byte_axis(shown)},
+        # Headroom above the highest line: the bands' labels go there.
+        legend={"orientation": "h", "y": -0.15}, yaxis={"title": "bytes", "range": [0, 1.15 * shown], **_byte_axis(shown)},
         xaxis={"title": "samples (each closes an interval of the step)", "tickvals": list(firsts),
                "ticktext": [f"step {tl['step'].iat[i]}" for i in firsts], "showgrid": True},
     )

@@ -320,6 +320,10 @@ def _atomic_write(path: str | os.PathLike, write, mode: str = "w") -> Path:
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
+        # mkstemp makes the file private (0600); a report is shared like any file the user writes.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -129,6 +129,16 @@ def test_breakdown_metrics_and_summary(report):
     assert peak.summary("global step 3").startswith(f"peak {peak.allocated / 2**30:.3f} GiB allocated in global step 3 (")
 
 
+def test_saved_files_get_the_usual_permissions(report, tmp_path):
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        assert report.save(tmp_path / "r.json").stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(umask)
+
+
 def test_old_schema_is_refused(report):
     d = report.to_dict()
     assert d["schema"] == 2
