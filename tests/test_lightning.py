@@ -376,3 +376,41 @@ def test_advice_asked_wrongly_fails_at_construction():
     with pytest.raises(ValueError, match="no-such-gpu"):
         MemprofCallback(budget="24GiB", target="no-such-gpu")
     assert MemprofCallback().advise is False and MemprofCallback(budget="24GiB").advise is True
+
+
+def test_advice_in_a_fit_shorter_than_the_warmup_and_only_on_rank_zero(monkeypatch, capsys):
+    # fast_dev_run: one step, fewer than the warm-up's three: the advice comes after it.
+    cb = MemprofCallback(budget="rtx3060", print_report=False)
+    trainer, model = fit_blocks(cb, max_steps=-1, fast_dev_run=True)
+    assert trainer.global_step == 1 and cb.advice is not None and cb.advice.table.loc["baseline", "fits"]
+    assert "plans for" in capsys.readouterr().out
+    assert_no_hooks(model)
+    monkeypatch.setattr(L.Trainer, "is_global_zero", property(lambda self: False))
+    cb = MemprofCallback(budget="rtx3060", warmup=1, print_report=False)
+    trainer, model = fit_blocks(cb, max_steps=2, logger=False)
+    assert cb.advice is None and "plans for" not in capsys.readouterr().out
+    assert len(cb.report.steps) == 2
+    assert_no_hooks(model)
+
+
+def test_no_advice_for_manual_optimization(recwarn):
+    class Manual(Blocks):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            loss = nn.functional.cross_entropy(self(batch[0]), batch[1])
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    cb = MemprofCallback(budget="rtx3060", warmup=1, print_report=False)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 128, generator=g), torch.randint(0, 10, (64,), generator=g))
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    trainer.fit(Manual(), DataLoader(data, batch_size=32))
+    assert cb.advice is None
+    assert any("no advice for a fit with manual optimization" in str(w.message) for w in recwarn)
