@@ -8,10 +8,12 @@ from .report import Breakdown, Report, compare
 from .runner import ScriptError, observe_script
 from .simulate import simulate
 from .tracker import Tracker, track
+from .trainer_advice import TrainerAdvice, advise_step
 
 __all__ = [
     "Advice",
     "advise",
+    "advise_step",
     "max_batch_size",
     "verify",
     "CATALOGUE",
@@ -22,6 +24,7 @@ __all__ = [
     "Report",
     "ScriptError",
     "Tracker",
+    "TrainerAdvice",
     "compare",
     "estimate_model_states",
     "get_gpu",

@@ -177,7 +177,9 @@ def advise_step(
     shared = list(shared)
 
     def make() -> Workload:
-        clone = simulated_copy(model, shared)
+        # On the simulated GPU .to("cuda") keeps meta tensors; it moves what the module tracks as
+        # its device (a LightningModule's self.device, used to make tensors in training_step).
+        clone = simulated_copy(model, shared).to("cuda")
         params = list(clone.parameters())
         opt = _rebuild(optimizer, [[params[i] for i in g] for g in groups])
         b = tree_map(lambda t: t.detach().cpu().to("cuda") if isinstance(t, torch.Tensor) else t, full_batch)
@@ -224,7 +226,7 @@ def simulated_copy(model: nn.Module, shared: Iterable[Any] = ()) -> nn.Module:
         for hooks in vars(m).values():
             if isinstance(hooks, dict) and any(_ours(h) for h in hooks.values()):
                 memo[id(hooks)] = copy.deepcopy(type(hooks)((k, h) for k, h in hooks.items() if not _ours(h)), memo)
-    return copy.deepcopy(model, memo).to("cuda")
+    return copy.deepcopy(model, memo)
 
 
 def _ours(hook: Any) -> bool:
