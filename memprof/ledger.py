@@ -36,6 +36,13 @@ class Entry:
     nbytes: int
 
 
+# The ledger keeps an entry as a tuple (category's index, module, detail,
+# bytes), which the garbage collector stops tracking, unlike an Entry or a
+# tuple holding a Category (see Ledger); get() answers an Entry.
+_CATEGORIES: tuple[Category, ...] = tuple(Category)
+_INDEX: dict[Category, int] = {c: i for i, c in enumerate(_CATEGORIES)}
+
+
 class Ledger:
     """Live storages by category, with running totals that are O(1) to read.
 
@@ -45,6 +52,14 @@ class Ledger:
     (:meth:`by_module`): the tracker learns which moment was the step's peak
     only once the step is over, and copying a per-module table at every
     sample would cost more than one list append per change.
+
+    A profiled step records thousands of storages and changes that live until
+    its end, and every object that lives that long brings the garbage
+    collector's next scan of the whole heap closer (at a few hundred ms for a
+    large model's process). So neither an entry nor a change is an object the
+    collector tracks: an entry is a tuple of ints and strings, the journal
+    one flat list of three items a change (category, module, bytes), and
+    every weak reference calls back the same bound method.
     """
 
     def __init__(self, block: int = 1) -> None:
@@ -52,20 +67,22 @@ class Ledger:
         # (c10/cuda/CUDACachingAllocator.cpp, round_size), and
         # torch.cuda.memory_allocated() counts those rounded blocks.
         self.block = block
-        self._entries: dict[weakref.ref, Entry] = {}
+        self._entries: dict[weakref.ref, tuple[int, str, str, int]] = {}
         self.totals: dict[Category, int] = defaultdict(int)
-        self._journal: list[tuple[Category, str, int]] | None = None
+        self._journal: list[Category | str | int] | None = None
+        self._on_free = self._forget
 
     def _change(self, category: Category, module: str, nbytes: int) -> None:
         self.totals[category] += nbytes
         if self._journal is not None:
-            self._journal.append((category, module, nbytes))
+            self._journal += (category, module, nbytes)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, storage: torch.UntypedStorage) -> Entry | None:
-        return self._entries.get(weakref.ref(storage))
+        e = self._entries.get(weakref.ref(storage))
+        return Entry(_CATEGORIES[e[0]], e[1], e[2], e[3]) if e is not None else None
 
     def add(
         self,
@@ -85,35 +102,39 @@ class Ledger:
         key = weakref.ref(storage)
         old = entries.get(key)
         if old is not None:
-            if not replace or (old.category is category and old.module == module):
+            index, old_module, _, nbytes = old
+            if not replace or (_CATEGORIES[index] is category and old_module == module):
                 return 0
-            self._change(old.category, old.module, -old.nbytes)
-            old.category, old.module, old.detail = category, module, detail
-            self._change(category, module, old.nbytes)
-            return old.nbytes
+            self._change(_CATEGORIES[index], old_module, -nbytes)
+            entries[key] = (_INDEX[category], module, detail, nbytes)  # the dict keeps its key, with the callback
+            self._change(category, module, nbytes)
+            return nbytes
         nbytes = storage_bytes(storage, self.block)
-        entries[weakref.ref(storage, self._forget)] = Entry(category, module, detail, nbytes)
+        entries[weakref.ref(storage, self._on_free)] = (_INDEX[category], module, detail, nbytes)
         self.totals[category] += nbytes  # _change, inlined: this runs for every saved tensor
         if self._journal is not None:
-            self._journal.append((category, module, nbytes))
+            self._journal += (category, module, nbytes)
         return nbytes
 
     def resize(self, storage: torch.UntypedStorage) -> None:
         """Re-read the size of a storage that was resized in place (FSDP frees
         and re-fills gathered parameters with ``storage.resize_``)."""
-        entry = self._entries.get(weakref.ref(storage))
+        key = weakref.ref(storage)
+        entry = self._entries.get(key)
         if entry is not None:
+            index, module, detail, old = entry
             nbytes = storage_bytes(storage, self.block)
-            if nbytes != entry.nbytes:
-                self._change(entry.category, entry.module, nbytes - entry.nbytes)
-                entry.nbytes = nbytes
+            if nbytes != old:
+                self._change(_CATEGORIES[index], module, nbytes - old)
+                self._entries[key] = (index, module, detail, nbytes)
 
     def _forget(self, key: weakref.ref) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            self.totals[entry.category] -= entry.nbytes  # _change, inlined
+            category = _CATEGORIES[entry[0]]
+            self.totals[category] -= entry[3]  # _change, inlined
             if self._journal is not None:
-                self._journal.append((entry.category, entry.module, -entry.nbytes))
+                self._journal += (category, entry[1], -entry[3])
 
     def attributed(self) -> int:
         return sum(self.totals.values())
@@ -124,10 +145,11 @@ class Ledger:
 
     def group(self, category: Category, by: str = "module") -> dict[str, int]:
         """Bytes of one category grouped by ``module`` or ``detail``."""
+        index, field = _INDEX[category], {"module": 1, "detail": 2}[by]
         out: dict[str, int] = defaultdict(int)
         for entry in list(self._entries.values()):
-            if entry.category is category:
-                out[getattr(entry, by)] += entry.nbytes
+            if entry[0] == index:
+                out[entry[field]] += entry[3]
         return dict(out)
 
     # -- the journal -----------------------------------------------------------
@@ -159,19 +181,21 @@ class Ledger:
         exactly: both follow the same changes.
         """
         out: dict[tuple[str, Category], int] = defaultdict(int)
-        for entry in list(self._entries.values()):
-            out[(entry.module, entry.category)] += entry.nbytes
-        if mark is not None and self._journal is not None:
-            for category, module, nbytes in self._journal[mark:]:  # undo what came after the mark
-                out[(module, category)] -= nbytes
+        for index, module, _, nbytes in list(self._entries.values()):
+            out[(module, _CATEGORIES[index])] += nbytes
+        journal = self._journal
+        if mark is not None and journal is not None:
+            for i in range(mark, len(journal), 3):  # undo what came after the mark
+                out[(journal[i + 1], journal[i])] -= journal[i + 2]
         return {k: b for k, b in out.items() if b}
 
     def drop(self, *categories: Category) -> None:
         """Forget every entry of ``categories`` (their storages stay untouched)."""
-        for key, entry in list(self._entries.items()):
-            if entry.category in categories:
+        dropped = {_INDEX[c] for c in categories}
+        for key, (index, module, _, nbytes) in list(self._entries.items()):
+            if index in dropped:
                 del self._entries[key]
-                self._change(entry.category, entry.module, -entry.nbytes)
+                self._change(_CATEGORIES[index], module, -nbytes)
 
     def clear(self) -> None:
         self._entries.clear()

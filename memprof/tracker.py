@@ -16,6 +16,12 @@ Each sample closes an interval named by its phase (``report.Phase``). The
 module table is the ledger at the peak's moment, rebuilt once at the step's
 end from the ledger's journal, so finding it costs the samples nothing.
 
+A profiled step keeps thousands of Python objects alive until its end
+(ledger entries, hooks on autograd nodes), and every such object brings
+Python's next full garbage collection closer: a scan of the whole heap, a few
+hundred ms in a large model's process. So the ledger's entries are tuples the
+collector does not track, and one bound method serves every node's hook.
+
 Memory in a steady training loop repeats step after step, so profiling a few
 steps explains all of them; ``report().steps`` shows every step's peak, so a
 step that drifts from the profiled ones is visible.
@@ -194,12 +200,18 @@ class Tracker:
             parent = name.rpartition(".")[0]
             self._chains[name] = (name, *self._chains.get(parent, ()))
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+        # Each optimizer's state as last recorded: id(parameter) -> weak
+        # references to the parameter and its state tensors.
+        self._recorded_state: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, tuple]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._primary: weakref.ref | None = self._optimizer
 
         self._handles: list = []  # removed on exit
         # Classes whose zero_grad is wrapped, (class, its own zero_grad or None, the wrapper): restored on exit.
         self._zero_grads: list[tuple[type, Any, Any]] = []
         self._step_handles: list = []  # removed at the end of each profiled step
+        self._node_hook: Any = None  # _on_node_grads, bound while a step is profiled
         self._saved_hooks: saved_tensors_hooks | None = None
         self._user_view: Any = None
         self._active = False
@@ -467,16 +479,20 @@ class Tracker:
         h = self._step_handles
         h.append(nn.modules.module.register_module_forward_pre_hook(self._on_pre))
         h.append(nn.modules.module.register_module_forward_hook(self._on_post, always_call=True))
+        # Bound once a step, not once a node or parameter (see _hook_graph).
+        self._node_hook = self._on_node_grads
+        on_grad = self._on_grad_accumulated
         for ref, _, _ in self._params:
             p = ref()
             if p is not None and p.requires_grad:
-                h.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+                h.append(p.register_post_accumulate_grad_hook(on_grad))
 
     def _finish_profile(self) -> None:
         self._end_backward(Phase.BETWEEN_STEPS, ("end", ""))
         for handle in self._step_handles:
             handle.remove()
         self._step_handles.clear()
+        self._node_hook = None
         self._pop_saved_hooks()
         alloc, phase, totals, reserved, mark = self._peak
         plan = self._plan
@@ -574,20 +590,44 @@ class Tracker:
         """The optimizers of the tracked model (``_optimizers`` also remembers the others seen, as not ours)."""
         return [opt for opt, ours in list(self._optimizers.items()) if ours]
 
-    def _record_optimizer_state(self, opt: torch.optim.Optimizer) -> None:
+    def _record_optimizer_state(self, opt: torch.optim.Optimizer, changed: bool = False) -> None:
+        """Record ``opt``'s state tensors; with ``changed``, only those of
+        parameters whose state holds other tensors than when last recorded.
+
+        A tensor recorded once stays in the ledger for as long as its storage
+        lives, and optimizers update their state in place, so after the step
+        that creates it (Adam's first) the state is the same tensors step
+        after step; comparing them by identity costs a fraction of recording
+        them again. (A state tensor given another storage in place, by
+        ``set_``, would be missed until the next full profile, which records
+        it all.)
+        """
         led = self._ledger
+        recorded = self._recorded_state.setdefault(opt, {})
         for p, state in opt.state.items():
-            owner = led.get(_storage(p)) if isinstance(p, torch.Tensor) else None
+            tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+            last = recorded.get(id(p))
+            same = (
+                last is not None and last[0]() is p and len(last) == len(tensors) + 1
+                and all(ref() is t for ref, t in zip(last[1:], tensors))
+            )
+            if same and changed:
+                continue
+            is_tensor = isinstance(p, torch.Tensor)
+            owner = led.get(_storage(p)) if is_tensor else None
             module = owner.module if owner is not None else ""
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and self._on_device(value):
                     led.add(_storage(value), Category.OPTIMIZER_STATE, module, str(key))
+            if is_tensor and not same:
+                recorded[id(p)] = (weakref.ref(p), *map(weakref.ref, tensors))
 
     def _on_device(self, t: torch.Tensor) -> bool:
         if self._simulated:  # a simulated GPU's tensors are meta tensors that report device cuda
             return t.is_meta
-        d = t.device
-        return d.type == self.device.type and d.index == self.device.index
+        # Comparing devices whole: reading a torch.device's type and index
+        # costs eight times as much, and this runs for every tensor a hook sees.
+        return t.device == self.device
 
     def _sample(self, kind: Phase, module: str = "", event: tuple[str, str] = ("", "")) -> int:
         """Close the interval that ran in the current phase and begin one of
@@ -754,8 +794,8 @@ class Tracker:
     def _on_saved(self, t: torch.Tensor) -> None:
         storage = _storage(t)
         module = self._fwd[-1].name if self._fwd else self._root_name
-        base = t._base if t._base is not None else t
-        if isinstance(base, nn.Parameter) and self._ledger.get(storage) is None:
+        base = t._base
+        if isinstance(t if base is None else base, nn.Parameter) and self._ledger.get(storage) is None:
             # A parameter the model did not register before the step: FSDP's
             # gathered (unsharded) copy, whose storage it frees and re-fills
             # in place; its size is re-read at every sample.
@@ -785,16 +825,23 @@ class Tracker:
     # -- hooks: backward -------------------------------------------------------
     def _hook_graph(self, outputs: Iterable[torch.Tensor]) -> None:
         """Hook every autograd node of this forward to name the gradients it produces."""
-        seen: set = set()
-        todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        # One bound method for every node: each node keeps its hook until the
+        # graph dies, and thousands of objects living that long make Python's
+        # garbage collector scan the whole heap more often.
+        hook = self._node_hook
+        todo = list({t.grad_fn for t in outputs if t.grad_fn is not None})
+        seen = set(todo)
         while todo:
             node = todo.pop()
-            if node in seen:
-                continue
-            seen.add(node)
-            if not hasattr(node, "variable"):  # AccumulateGrad: its output is a parameter's .grad
-                node.register_hook(self._on_node_grads)
-            todo.extend(n for n, _ in node.next_functions if n is not None and n not in seen)
+            # AccumulateGrad's output is a parameter's .grad (_on_grad_accumulated
+            # names it), and it has no next functions. By its type's name:
+            # hasattr(node, "variable") raises and catches an error at every other node.
+            if type(node).__name__ != "AccumulateGrad":
+                node.register_hook(hook)
+                for n, _ in node.next_functions:
+                    if n is not None and n not in seen:
+                        seen.add(n)
+                        todo.append(n)
 
     def _on_node_grads(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         if not self._profiled or not self._active:
@@ -853,9 +900,10 @@ class Tracker:
         self._bwd.clear()
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
-        if p.grad is not None and self._on_device(p.grad):
+        g = p.grad
+        if g is not None and self._on_device(g):
             owner = self._ledger.get(_storage(p))
-            self._ledger.add(_storage(p.grad), Category.GRADIENTS, owner.module if owner else "", replace=True)
+            self._ledger.add(_storage(g), Category.GRADIENTS, owner.module if owner else "", replace=True)
 
     # -- hooks: optimizer ------------------------------------------------------
     def _is_ours(self, opt: torch.optim.Optimizer) -> bool:
@@ -942,7 +990,7 @@ class Tracker:
         if not self._is_ours(opt):
             return
         if self._profiled:
-            self._record_optimizer_state(opt)  # Adam creates its state at the first step
+            self._record_optimizer_state(opt, changed=True)  # Adam creates its state at the first step
         if self._primary is not None and self._primary() is opt:
             self._end_step()
             self.step += 1
@@ -1011,7 +1059,9 @@ class Tracker:
             handle.remove()
         self._step_handles.clear()
         self._handles.clear()
+        self._node_hook = None
         self._ledger.clear()
+        self._recorded_state.clear()
         self._failed = None
         if _active is not None and _active() is self:
             _active = None

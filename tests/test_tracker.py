@@ -639,3 +639,65 @@ def test_ledger_rebuilds_modules_at_a_mark():
     assert {cat: sum(v for (_, k), v in before.items() if k is cat) for cat in totals} == totals
     led.close_journal()
     assert led.mark() == 0
+
+
+
+def test_ledger_costs_the_garbage_collector_one_object_a_storage():
+    """A profiled step records thousands of storages that live until its end;
+    each costs Python's garbage collector only its weak reference (an entry
+    and a journal change are objects it does not track), so that a step
+    brings the next scan of the whole heap no closer than it must."""
+    from memprof.categories import Category as C
+    from memprof.ledger import Ledger
+
+    led = Ledger()
+    led.open_journal()
+    tensors = [torch.zeros(4) for _ in range(1000)]
+    storages = [t.untyped_storage() for t in tensors]
+    gc.collect()
+    before = len(gc.get_objects())
+    for s in storages:
+        led.add(s, C.ACTIVATIONS, "M.a")
+    for s in storages[::2]:
+        led.add(s, C.ACTIVATION_GRADIENTS, "M.b", replace=True)
+    gc.collect()
+    assert len(gc.get_objects()) - before <= len(storages) + 10
+    assert led.by_module() == {("M.a", C.ACTIVATIONS): 500 * 16, ("M.b", C.ACTIVATION_GRADIENTS): 500 * 16}
+
+def test_optimizer_state_made_or_replaced_in_a_cheap_step():
+    """After the first steps, a profiled step skips the optimizer's state it
+    recorded already (the same tensors). State the optimizer makes in a
+    later cheap step (a parameter group added) or is given (a loaded state
+    dict, new tensors) is recorded all the same: each step peaks at the
+    loss, before its optimizer step, holding exactly the state of the step
+    before it."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+    from memprof.virtual_cuda import VirtualCUDA
+
+    gpu = get_gpu("h100")
+    with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)):
+        model = mlp().cuda()
+        opt = torch.optim.AdamW(model[2].parameters())
+        x = torch.randn(512, 512, device="cuda")
+        peaks = []
+        with memprof.track(model, opt, warmup=0, every=1) as prof:
+            for i in range(8):
+                if i == 4:
+                    opt.add_param_group({"params": model[0].parameters()})
+                model(x).square().mean().backward()
+                if i == 6:
+                    state = opt.state_dict()
+                    state["state"] = {k: {n: v.clone() for n, v in s.items()} for k, s in state["state"].items()}
+                    opt.load_state_dict(state)
+                opt.step()
+                opt.zero_grad()
+                peaks.append(prof.last_peak)
+    r = prof.report()
+    assert r.meta["full_profiles"] == [0, 1]  # steps 2 to 7 are cheap
+    assert {p.phase for p in peaks} == {"loss"}
+    # AdamW's m and v, 1 MiB each for each 512x512 weight (`step` stays on the host).
+    assert [p.bytes["optimizer_state"] for p in peaks] == [0, 2 * MiB, 2 * MiB, 2 * MiB, 2 * MiB, 4 * MiB, 4 * MiB, 4 * MiB]
+    assert len({p.bytes["temporaries"] for p in peaks}) == 1  # nothing of the state is left unnamed
+    assert r.optimizer_state == {"exp_avg": 2 * MiB, "exp_avg_sq": 2 * MiB}
+    assert r.modules.loc["Sequential.0", "optimizer_state"] == 2 * MiB
