@@ -193,6 +193,21 @@ class _Watch:
         return self.facts
 
 
+def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, who: str) -> dict[str, str]:
+    """The plans that would repeat what the training (``who``: "script", "fit") does already, and why."""
+    from memprof.strategies import Autocast, Checkpointing, find_blocks
+
+    blocks = [n for n, _ in find_blocks(model)]
+    covered = bool(blocks) and all(any(b == c or b.startswith(c + ".") for c in facts.checkpointed) for b in blocks)
+    out = {}
+    for name, strategies in plans.items():
+        if facts.autocast and any(isinstance(s, Autocast) for s in strategies):
+            out[name] = f"the {who} already runs its forward under {facts.autocast} autocast"
+        elif covered and any(isinstance(s, Checkpointing) for s in strategies):
+            out[name] = f"the {who} already checkpoints the repeated blocks"
+    return out
+
+
 def _micro_batches(strategies: list) -> int:
     from memprof.strategies import Accumulation
 
@@ -311,18 +326,8 @@ class _Schedule:
         return self._next()
 
     def _skip_what_is_done(self) -> None:
-        from memprof.strategies import Autocast, Checkpointing, find_blocks
-
-        facts = self.facts
-        blocks = [n for n, _ in find_blocks(self.model)]
-        covered = bool(blocks) and all(any(b == c or b.startswith(c + ".") for c in facts.checkpointed) for b in blocks)
-        for name, strategies in self.plans.items():
-            if facts.autocast and any(isinstance(s, Autocast) for s in strategies):
-                self.skipped[name] = f"the script already runs its forward under {facts.autocast} autocast"
-            elif covered and any(isinstance(s, Checkpointing) for s in strategies):
-                self.skipped[name] = "the script already checkpoints the repeated blocks"
-            else:
-                continue
+        for name, why in what_is_done(self.plans, self.facts, self.model, "script").items():
+            self.skipped[name] = why
             self._advance(name)
 
     def end_run(self, report: Report | None) -> None:

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from .advisor import Advice, advise, default_plans, parse_budget, plan_table
 from .devices import GPU, get_gpu
 from .report import Report
-from .script_advice import ScriptFacts, _dtype
+from .script_advice import ScriptFacts, _dtype, what_is_done
 from .units import fmt_bytes
 from .workload import Workload
 
@@ -155,7 +155,7 @@ def advise_step(
     are not copied with it (its trainer). Target: the budget's GPU, else this
     machine's GPU, else an H100.
     """
-    from memprof.strategies import Autocast, Checkpointing, PureBF16, find_blocks
+    from memprof.strategies import Autocast, Checkpointing, find_blocks
 
     if autocast not in (None, *_AUTOCAST):
         raise ValueError(f"autocast {autocast!r} is not one of {[None, *_AUTOCAST]}")
@@ -189,17 +189,10 @@ def advise_step(
         return w
 
     plans = default_plans(world_size, gpu=gpu)
-    blocks = [n for n, _ in find_blocks(model)]
-    done = set(checkpointed)
-    covered = bool(blocks) and all(any(b == c or b.startswith(c + ".") for c in done) for b in blocks)
-    skipped = {}
-    for name, factory in plans.items():
-        strategies = factory()
-        if autocast and any(isinstance(s, (Autocast, PureBF16)) for s in strategies):
-            skipped[name] = f"the fit already runs under {autocast} autocast"
-        elif any(isinstance(s, Checkpointing) for s in strategies) and (covered or not blocks):
-            skipped[name] = ("the fit already checkpoints the repeated blocks" if covered
-                             else "the model has no repeated blocks to checkpoint")
+    skipped = what_is_done({n: f() for n, f in plans.items()}, facts, model, "fit")
+    if not find_blocks(model):
+        skipped.update({n: "the model has no repeated blocks to checkpoint" for n, f in plans.items()
+                        if any(isinstance(s, Checkpointing) for s in f())})
     plans = {n: f for n, f in plans.items() if n not in skipped}
     # A simulated dropout draws from the host's generator: the fit's own masks must not change.
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []

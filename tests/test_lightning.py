@@ -324,7 +324,7 @@ def test_advice_in_lightning_terms_for_a_budget_that_forces_checkpointing(tmp_pa
     assert advice.facts.autocast == "bf16" and advice.facts.micro_batches == 1
     assert not advice.table.loc["baseline", "fits"]
     assert all("bf16" not in plan for plan in advice.table.index)  # done already: left out, and said so
-    assert advice.skipped["bf16+ckpt"] == "the fit already runs under bf16 autocast"
+    assert advice.skipped["bf16+ckpt"] == "the fit already runs its forward under bf16 autocast"
     assert advice.settings() == [
         "in the LightningModule's configure_model, checkpoint each repeated block: `block.forward = "
         "functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)` for blocks.0, "
