@@ -89,8 +89,9 @@ class TrainerAdvice(Advice):
             parts.append(Text("the fit does now: " + "; ".join(self.facts.lines()[:4])))
         if self.measured is not None and self.measured.peak is not None:
             peak = self.measured.peak
-            parts.append(Text(f"measured: peak {fmt_bytes(peak.allocated)} allocated in step {peak.step} "
-                              f"({peak.phase}) on {self.measured.device}"))
+            # The trainer numbers its steps its own way: the phase says where, the callback's log says when.
+            parts.append(Text(f"measured so far: peak {fmt_bytes(peak.allocated)} allocated ({peak.phase}) "
+                              f"on {self.measured.device}"))
         parts.append(plan_table(self, where=f"simulated {self.gpu.name}"))
         reasons: dict[str, list[str]] = {}
         for name, why in self.skipped.items():
