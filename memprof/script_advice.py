@@ -120,6 +120,20 @@ class ScriptFacts:
     #: The model's first forward's tensor arguments: name or position -> (shape, dtype).
     batch: dict[str, tuple[list[int], str]] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer, **facts: Any) -> "ScriptFacts":
+        """The facts ``model`` and ``optimizer`` show by themselves (the optimizer's
+        implementation, the parameters by dtype and those frozen), and ``facts``."""
+        d = optimizer.defaults
+        impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else (
+            "for-loop" if d.get("foreach") is False else "default: foreach on CUDA")
+        counts: dict[str, int] = {}
+        frozen = 0
+        for p in model.parameters():
+            counts[_dtype(p.dtype)] = counts.get(_dtype(p.dtype), 0) + p.numel()
+            frozen += 0 if p.requires_grad else p.numel()
+        return cls(optimizer=type(optimizer).__name__, implementation=impl, parameters=counts, frozen=frozen, **facts)
+
     @property
     def batch_size(self) -> int | None:
         """Samples per forward: the first dimension of its first tensor argument."""
@@ -140,6 +154,11 @@ class ScriptFacts:
         return out
 
 
+def tensor_shapes(named: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
+    """The tensors among ``named`` values: name -> (shape, short dtype)."""
+    return {str(k): (list(t.shape), _dtype(t.dtype)) for k, t in named.items() if isinstance(t, torch.Tensor)}
+
+
 def _short_list(names: list[str], n: int = 3) -> list[str]:
     return names[:n] + ([f"... ({len(names)} in all)"] if len(names) > n else [])
 
@@ -148,18 +167,8 @@ class _Watch:
     """Hooks that fill :class:`ScriptFacts` while the script's own steps run."""
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        self.facts, self.forwards, self.steps = ScriptFacts(), 0, 0
+        self.facts, self.forwards, self.steps = ScriptFacts.of(model, opt), 0, 0
         self.recomputed: dict[str, None] = {}
-        kind = type(opt).__name__
-        d = opt.defaults
-        impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else (
-            "for-loop" if d.get("foreach") is False else "default: foreach on CUDA")
-        self.facts.optimizer, self.facts.implementation = kind, impl
-        counts: dict[str, int] = {}
-        for p in model.parameters():
-            counts[_dtype(p.dtype)] = counts.get(_dtype(p.dtype), 0) + p.numel()
-            self.facts.frozen += 0 if p.requires_grad else p.numel()
-        self.facts.parameters = counts
         self._handles = [model.register_forward_pre_hook(self._on_model, with_kwargs=True)]
         self._handles += [m.register_forward_pre_hook(functools.partial(self._on_module, name))
                           for name, m in model.named_modules() if name]
@@ -175,7 +184,7 @@ class _Watch:
                 tensors = dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
             except (TypeError, ValueError):
                 tensors = {f"argument {i}": a for i, a in enumerate(args)} | dict(kwargs)
-            self.facts.batch = {k: (list(t.shape), _dtype(t.dtype)) for k, t in tensors.items() if isinstance(t, torch.Tensor)}
+            self.facts.batch = tensor_shapes(tensors)
 
     def _on_module(self, name: str, module, args) -> None:
         # A module run while autograd computes gradients is recomputed: activation checkpointing.

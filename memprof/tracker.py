@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .allocator import counters_for
 from .categories import ALLOCATED, Category
@@ -200,9 +201,9 @@ class Tracker:
             parent = name.rpartition(".")[0]
             self._chains[name] = (name, *self._chains.get(parent, ()))
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
-        # Each optimizer's state as last recorded: id(parameter) -> weak
-        # references to the parameter and its state tensors.
-        self._recorded_state: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, tuple]] = (
+        # Each optimizer's state as last recorded: parameter -> weak references to its state tensors
+        # (keyed by identity: a tensor's == is elementwise).
+        self._recorded_state: weakref.WeakKeyDictionary[torch.optim.Optimizer, WeakIdKeyDictionary] = (
             weakref.WeakKeyDictionary()
         )
         self._primary: weakref.ref | None = self._optimizer
@@ -603,24 +604,21 @@ class Tracker:
         it all.)
         """
         led = self._ledger
-        recorded = self._recorded_state.setdefault(opt, {})
+        recorded = self._recorded_state.setdefault(opt, WeakIdKeyDictionary())
         for p, state in opt.state.items():
             tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
-            last = recorded.get(id(p))
-            same = (
-                last is not None and last[0]() is p and len(last) == len(tensors) + 1
-                and all(ref() is t for ref, t in zip(last[1:], tensors))
-            )
+            is_tensor = isinstance(p, torch.Tensor)
+            last = recorded.get(p) if is_tensor else None
+            same = last is not None and len(last) == len(tensors) and all(r() is t for r, t in zip(last, tensors))
             if same and changed:
                 continue
-            is_tensor = isinstance(p, torch.Tensor)
             owner = led.get(_storage(p)) if is_tensor else None
             module = owner.module if owner is not None else ""
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and self._on_device(value):
                     led.add(_storage(value), Category.OPTIMIZER_STATE, module, str(key))
             if is_tensor and not same:
-                recorded[id(p)] = (weakref.ref(p), *map(weakref.ref, tensors))
+                recorded[p] = tuple(map(weakref.ref, tensors))
 
     def _on_device(self, t: torch.Tensor) -> bool:
         if self._simulated:  # a simulated GPU's tensors are meta tensors that report device cuda

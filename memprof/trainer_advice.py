@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from .advisor import Advice, advise, default_plans, parse_budget, plan_table
 from .devices import GPU, get_gpu
 from .report import Report
-from .script_advice import ScriptFacts, _dtype, what_is_done
+from .script_advice import ScriptFacts, tensor_shapes, what_is_done
 from .units import fmt_bytes
 from .workload import Workload
 
@@ -112,20 +112,10 @@ class TrainerAdvice(Advice):
 def step_facts(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any, *, autocast: str | None,
                micro_batches: int, checkpointed: Iterable[str] = ()) -> ScriptFacts:
     """What a trainer's step does now, in the script door's terms (for the plans' wording)."""
-    d = optimizer.defaults
-    impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else (
-        "for-loop" if d.get("foreach") is False else "default: foreach on CUDA")
-    counts: dict[str, int] = {}
-    frozen = 0
-    for p in model.parameters():
-        counts[_dtype(p.dtype)] = counts.get(_dtype(p.dtype), 0) + p.numel()
-        frozen += 0 if p.requires_grad else p.numel()
-    tensors = batch if isinstance(batch, dict) else {f"argument {i}": t for i, t in enumerate(
+    named = batch if isinstance(batch, dict) else {f"argument {i}": t for i, t in enumerate(
         batch if isinstance(batch, (list, tuple)) else [batch])}
-    shapes = {str(k): (list(t.shape), _dtype(t.dtype)) for k, t in tensors.items() if isinstance(t, torch.Tensor)}
-    return ScriptFacts(autocast=autocast, micro_batches=micro_batches, checkpointed=list(checkpointed),
-                       optimizer=type(optimizer).__name__, implementation=impl, parameters=counts, frozen=frozen,
-                       batch=shapes)
+    return ScriptFacts.of(model, optimizer, autocast=autocast, micro_batches=micro_batches,
+                          checkpointed=list(checkpointed), batch=tensor_shapes(named))
 
 
 def advise_step(
