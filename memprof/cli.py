@@ -21,7 +21,7 @@ import re
 import sys
 import tempfile
 from decimal import Decimal, InvalidOperation
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import pandas as pd
 import torch
@@ -213,20 +213,16 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         import json
 
-        path = args.json
-        try:
-            with open(path, "w") as f:
+        def write() -> None:
+            with open(args.json, "w") as f:
                 json.dump(advice.to_dict(), f, indent=1, default=_json_default)
-        except OSError as exc:
-            raise OSError(f"cannot write {path!r}: {exc.strerror or exc}; pick a writable path") from None
-        _line(console, f"advice saved to {path}")
+
+        _write("advice", args.json, write)
+        _line(console, f"advice saved to {args.json}")
     if args.html:
         from .html import save_advice_html
 
-        try:
-            save_advice_html(advice, args.html)
-        except OSError as exc:
-            raise OSError(f"cannot write the HTML page to {args.html!r}: {exc.strerror or exc}; pick a writable path") from None
+        _write("HTML page", args.html, lambda: save_advice_html(advice, args.html))
         _line(console, f"HTML page saved to {args.html}: the plans and the baseline's report")
     return 0
 
@@ -298,14 +294,19 @@ def _tail(console: Console, path: str | None, lines: int = 20) -> None:
             _line(console, f"  | {t}")
 
 
+def _write(label: str, path: str, write: Callable[[], Any]) -> None:
+    """Run ``write``; a path that cannot be written is bad input, said in one line."""
+    try:
+        write()
+    except OSError as exc:
+        raise OSError(f"cannot write the {label} to {path!r}: {exc.strerror or exc}; pick a writable path") from None
+
+
 def _save(console: Console, report: Report, path: str | None, html: bool = False) -> None:
     if path is None:
         return
     label = "HTML report" if html else "report"
-    try:
-        report.save_html(path) if html else report.save(path)
-    except OSError as exc:
-        raise OSError(f"cannot write the {label} to {path!r}: {exc.strerror or exc}; pick a writable path") from None
+    _write(label, path, lambda: report.save_html(path) if html else report.save(path))
     again = "" if html else f"; show it again with: memprof report {path}"
     _line(console, f"{label} saved to {path}{again}")
 
@@ -333,10 +334,7 @@ def _cmd_report(args: argparse.Namespace, console: Console) -> int:
     _show(console, report)
     _save(console, report, args.html, html=True)
     if args.snapshot:
-        try:
-            report.save_snapshot(args.snapshot)
-        except OSError as exc:
-            raise OSError(f"cannot write the snapshot to {args.snapshot!r}: {exc.strerror or exc}; pick a writable path") from None
+        _write("snapshot", args.snapshot, lambda: report.save_snapshot(args.snapshot))
         _line(console, f"snapshot saved to {args.snapshot}; open it at pytorch.org/memory_viz (each block is named "
               "by its category and module)")
     return 0
