@@ -23,3 +23,7 @@ def report():
 def _collect():
     yield
     gc.collect()
+    # The GPU tests share one device: what a test left cached (an out-of-memory
+    # test reserves most of it) would make the next one's scripts run out early.
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

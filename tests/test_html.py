@@ -22,7 +22,8 @@ from memprof.strategies import Autocast, Checkpointing
 from memprof.units import fmt_bytes
 from memprof.workload import Workload
 from models import FF, MiB
-from plotly.offline import get_plotlyjs
+
+get_plotlyjs = pytest.importorskip("plotly.offline", reason="the HTML report needs plotly: pip install 'memprof[html]'").get_plotlyjs
 
 ROOT = Path(__file__).resolve().parents[1]
 CATEGORIES = [c.value for c in ALLOCATED]

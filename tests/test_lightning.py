@@ -414,3 +414,48 @@ def test_no_advice_for_manual_optimization(recwarn):
     trainer.fit(Manual(), DataLoader(data, batch_size=32))
     assert cb.advice is None
     assert any("no advice for a fit with manual optimization" in str(w.message) for w in recwarn)
+
+
+# -- on a real GPU ---------------------------------------------------------------------
+from conftest import cuda  # noqa: E402
+
+
+class Wide(L.LightningModule):
+    """8 Linear(8192, 8192) layers on a batch expanded to 2^21 rows: each layer's output is
+    64 GiB in fp32, so the second one does not fit beside the first on a 140 GiB GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(8192, 8192) for _ in range(8)])
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0].expand(2**21, -1)).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+@cuda
+@pytest.mark.cuda
+def test_a_fit_that_runs_out_of_the_gpus_memory_is_explained(tmp_path, caplog):
+    data = DataLoader(TensorDataset(torch.randn(4, 8192)), batch_size=1)
+    cb = MemprofCallback(print_report=False)
+    model = Wide()
+    trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                        default_root_dir=tmp_path)
+    with caplog.at_level(logging.ERROR, logger="memprof"), pytest.raises(torch.OutOfMemoryError) as info:
+        trainer.fit(model, data)
+    assert type(info.value) is torch.OutOfMemoryError and str(info.value).startswith("CUDA out of memory.")
+    assert_no_hooks(model)
+    (json_path,) = tmp_path.glob("memprof-oom-*.json")
+    r = memprof.Report.load(json_path)
+    assert r.peak.step == 0 and r.peak.phase.startswith("forward Wide.net")
+    assert r.peak.bytes["parameters"] == 8 * (8192 * 8192 + 8192) * 4
+    assert r.peak.allocated == r.meta["out_of_memory"]["allocated"]
+    largest = max(("activations", "inputs", "parameters"), key=lambda c: r.peak.bytes[c])
+    assert largest == "activations"
+    (message,) = [m for m in caplog.messages if m.startswith("out of memory")]
+    assert json_path.name in message and "The largest category was activations" in message
+    del model, trainer, info
+    torch.cuda.empty_cache()

@@ -132,3 +132,43 @@ def test_a_report_written_as_a_snapshot_reads_back_and_in_torchs_viewer(tmp_path
 
 def _memprof_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if "memprof" in line]
+
+
+# -- on a real GPU ---------------------------------------------------------------------
+from conftest import cuda  # noqa: E402
+
+
+@cuda
+@pytest.mark.cuda
+def test_a_snapshot_recorded_on_the_gpu_without_memprof_is_attributed(tmp_path):
+    """Three AdamW steps of an MLP recorded with PyTorch's own _record_memory_history:
+    the trace's peak is the allocator's own peak (within 1 %), and the weights and
+    Adam's two states are found by their frames."""
+    import torch
+    from torch import nn
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.GELU()) for _ in range(8)]).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(3):
+            model(torch.randn(4096, 2048, device="cuda")).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        path = tmp_path / "recorded.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    recorded = torch.cuda.max_memory_allocated() - base
+    r = snapshot.to_report(snapshot.load(path))
+    weights = 8 * (2048 * 2048 + 2048) * 4
+    print(f"recorded peak {recorded} B, memprof's {r.peak.allocated} B; {r.peak.bytes}")
+    assert abs(r.peak.allocated - recorded) <= 0.01 * recorded
+    assert r.peak.bytes["parameters"] == weights
+    assert r.peak.bytes["optimizer_state"] == 2 * weights
+    del model, opt
+    torch.cuda.empty_cache()
