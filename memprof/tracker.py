@@ -131,12 +131,22 @@ class _Plan:
     moments (the root's forward and backward, loss, optimizer, zero_grad).
     If a cheap step's peak falls elsewhere, the step has changed and the next
     profiled steps are full ones again.
+
+    What happens after the bracket cannot change what the peak in it is
+    attributed to, so a cheap step stops naming storages there (the step's
+    end still reads the counters: a higher peak later means the step
+    changed). Nor does it hook the autograd nodes that backward runs after
+    the bracket: autograd runs a graph's nodes in decreasing sequence number
+    (each node is created after the nodes it feeds, and the engine's ready
+    queue takes the highest first: torch/csrc/autograd/engine.cpp,
+    CompareNodeTaskTime), so those before the bracket are the ``depth``
+    nodes nearest the forward's output in creation order.
     """
 
-    __slots__ = ("bracket", "events", "modules", "phase")
+    __slots__ = ("bracket", "events", "modules", "phase", "depth")
 
-    def __init__(self, bracket: tuple[tuple, tuple], phase: str) -> None:
-        self.bracket, self.phase = bracket, phase
+    def __init__(self, bracket: tuple[tuple, tuple], phase: str, depth: int) -> None:
+        self.bracket, self.phase, self.depth = bracket, phase, depth
         self.events = frozenset(key[:2] for key in bracket)
         self.modules = frozenset(key[1] for key in bracket if key[0] in _FINE_EVENTS)
 
@@ -240,6 +250,7 @@ class Tracker:
         self.oom_files: tuple[Path, ...] | None = None
         self._full_steps: deque[int] = deque(maxlen=history)
         self._full = True  # whether the current profiled step reads the counters at every boundary
+        self._done = False  # whether a cheap step has passed its peak's interval (see _Plan)
         # The model's parameters with their owner and name, found by full steps.
         self._params: list[tuple[weakref.ref, str, str]] = []
         # Over-step module columns, measured by full steps.
@@ -372,6 +383,7 @@ class Tracker:
     def report(self) -> Report:
         """What was measured so far (callable inside or after the ``with`` block)."""
         peak = self._reported
+        self._resolve_time()
         modules = self._table(self._modules)
         cols = ["step", "seq", "phase", "allocated", "interval_peak", "reserved", *[c.value for c in ALLOCATED]]
         timeline = pd.DataFrame([r for rows in self._timeline for r in rows], columns=cols)
@@ -416,17 +428,31 @@ class Tracker:
         self._profiled = self._should_profile(self.step)
         if self._profiled:
             self._start_profile()
-        self._t0 = self._timed()
+        self._t0 = self._now()
 
-    def _timed(self) -> float:
+    def _now(self) -> Any:
         # A profiled step's time is its kernels', not how far ahead of them the
-        # host got: CUDA is synchronised at its ends (light steps stay asynchronous).
+        # host got: on CUDA an event on the current stream marks each end, read
+        # once the device has passed it (_resolve_time), so the host never waits
+        # for the device (light steps take the host's clock, as ever).
         if self._profiled and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
         return self._clock()
 
+    def _resolve_time(self) -> None:
+        """The latest step's seconds, if its end is an event: by now (a step later,
+        or a report) the device has passed it, or soon will."""
+        if self._steps and isinstance(self._steps[-1][-1], tuple):
+            *row, (start, end) = self._steps[-1]
+            end.synchronize()
+            self._steps[-1] = (*row, start.elapsed_time(end) / 1000)
+
     def _end_step(self) -> None:
-        seconds = self._timed() - self._t0
+        end = self._now()
+        seconds = end - self._t0 if isinstance(end, (int, float)) else (self._t0, end)  # events: resolved later
+        self._resolve_time()
         if self._profiled:
             self._finish_profile()
             peak = self._last
@@ -469,6 +495,13 @@ class Tracker:
         self._peak: tuple | None = None
         self._peak_keys: tuple[tuple, tuple] | None = None
         self._reserved_high: int | None = None
+        # A cheap step is done once its bracket's closing sample is taken.
+        self._done = False
+        # The highest sequence number of the latest forward's graph, the
+        # deepest node below it that backward has run (a full step's), and
+        # that depth at the peak's closing sample: the plan's depth.
+        self._graph_top: int | None = None
+        self._depth = self._peak_depth = -1
         c = self._counters.read()
         self._last_alloc = c.allocated if c else self._ledger.attributed()
         self._last_reserved = c.reserved if c else None
@@ -482,11 +515,12 @@ class Tracker:
         h.append(nn.modules.module.register_module_forward_hook(self._on_post, always_call=True))
         # Bound once a step, not once a node or parameter (see _hook_graph).
         self._node_hook = self._on_node_grads
-        on_grad = self._on_grad_accumulated
-        for ref, _, _ in self._params:
-            p = ref()
-            if p is not None and p.requires_grad:
-                h.append(p.register_post_accumulate_grad_hook(on_grad))
+        if full:  # a cheap step looks at the gradients at its bracket's samples only
+            on_grad = self._on_grad_accumulated
+            for ref, _, _ in self._params:
+                p = ref()
+                if p is not None and p.requires_grad:
+                    h.append(p.register_post_accumulate_grad_hook(on_grad))
 
     def _finish_profile(self) -> None:
         self._end_backward(Phase.BETWEEN_STEPS, ("end", ""))
@@ -502,7 +536,7 @@ class Tracker:
             # repeats (the first steps differ: lazy initialisation, optimizer
             # state), and the next profiled steps read the counters around it only.
             if self._peak_keys == self._last_bracket and plan is None:
-                self._plan = _Plan(self._peak_keys, phase)
+                self._plan = _Plan(self._peak_keys, phase, self._peak_depth)
             self._last_bracket = self._peak_keys
         elif self._peak_keys == plan.bracket:
             phase = plan.phase  # the full step's name for it: a cheap step's backward phases are coarse
@@ -574,18 +608,26 @@ class Tracker:
             for name, b in model.named_buffers():
                 if self._on_device(b):
                     led.add(_storage(b), Category.BUFFERS, _owner(root, name), name)
-        for ref, owner, name in self._params:
-            p = ref()
-            if p is None:
-                continue
-            if full and self._on_device(p):
-                led.add(_storage(p), Category.PARAMETERS, owner, name)
-            g = p.grad
-            if g is not None and self._on_device(g):
-                led.add(_storage(g), Category.GRADIENTS, owner, name, replace=True)
+        if full:
+            for ref, owner, name in self._params:
+                p = ref()
+                if p is not None and self._on_device(p):
+                    led.add(_storage(p), Category.PARAMETERS, owner, name)
+        self._refresh_gradients()
         if full:
             for opt in self._own_optimizers():
                 self._record_optimizer_state(opt)
+
+    def _refresh_gradients(self) -> None:
+        """Record the parameters' gradients that exist now: at a profiled step's
+        start, and in a cheap step at its bracket's samples (instead of a hook
+        on every parameter: a cheap step's bracket sees only those gradients)."""
+        led, on_device = self._ledger, self._on_device
+        for ref, owner, name in self._params:
+            p = ref()
+            g = p.grad if p is not None else None
+            if g is not None and on_device(g):
+                led.add(_storage(g), Category.GRADIENTS, owner, name, replace=True)
 
     def _own_optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers of the tracked model (``_optimizers`` also remembers the others seen, as not ours)."""
@@ -637,7 +679,7 @@ class Tracker:
         the last sample it took).
         """
         skippable = not self._full and event[0] in _FINE_EVENTS and event[1] != self._root_name
-        if skippable and event not in self._plan.events:
+        if skippable and (self._done or event not in self._plan.events):
             self._kind, self._phase_module = kind, module
             return self._last_alloc
         # Occurrences are counted for every event of a full step, and in a
@@ -652,6 +694,8 @@ class Tracker:
             storage = ref()
             if storage is not None:
                 self._ledger.resize(storage)
+        if not self._full and key in self._plan.bracket:
+            self._refresh_gradients()
         c = self._counters.read_and_reset()
         totals = self._ledger.snapshot()
         mark = self._ledger.mark()
@@ -670,6 +714,9 @@ class Tracker:
             else:
                 self._peak = (high, self._phase, self._last_totals, reserved_high, self._last_mark)
             self._peak_keys = (self._key, key)
+            self._peak_depth = self._depth
+        if not self._full and key == self._plan.bracket[1]:
+            self._done = True
         if self._full:
             for span in self._fwd:
                 span.high = max(span.high, high)
@@ -707,6 +754,8 @@ class Tracker:
         return self
 
     def _on_pre(self, module: nn.Module, args: tuple) -> None:
+        if self._done:
+            return
         name = self._names.get(module)
         if name is None:  # a module outside the tracked model: part of its caller
             return
@@ -736,6 +785,8 @@ class Tracker:
         return self._full or outer or name in self._plan.modules
 
     def _on_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._done:
+            return
         name = self._names.get(module)
         if name is None or not self._fwd or self._fwd[-1].name != name:
             return
@@ -790,6 +841,8 @@ class Tracker:
             hooks.__exit__(None, None, None)
 
     def _on_saved(self, t: torch.Tensor) -> None:
+        if self._done:
+            return
         storage = _storage(t)
         module = self._fwd[-1].name if self._fwd else self._root_name
         base = t._base
@@ -828,13 +881,19 @@ class Tracker:
         # garbage collector scan the whole heap more often.
         hook = self._node_hook
         todo = list({t.grad_fn for t in outputs if t.grad_fn is not None})
+        if not todo:
+            return
+        top = self._graph_top = max(n._sequence_nr() for n in todo)
+        # A cheap step hooks the nodes backward runs before its bracket closes
+        # (see _Plan), with a margin: a node hooked needlessly only costs its call.
+        floor = top - (self._plan.depth * 5 // 4 + 32) if not self._full else -1
         seen = set(todo)
         while todo:
             node = todo.pop()
             # AccumulateGrad's output is a parameter's .grad (_on_grad_accumulated
             # names it), and it has no next functions. By its type's name:
             # hasattr(node, "variable") raises and catches an error at every other node.
-            if type(node).__name__ != "AccumulateGrad":
+            if type(node).__name__ != "AccumulateGrad" and node._sequence_nr() >= floor:
                 node.register_hook(hook)
                 for n, _ in node.next_functions:
                     if n is not None and n not in seen:
@@ -842,8 +901,12 @@ class Tracker:
                         todo.append(n)
 
     def _on_node_grads(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        if not self._profiled or not self._active:
+        if self._done or not self._profiled or not self._active:
             return
+        if self._full and self._graph_top is not None:
+            node = torch._C._current_autograd_node()  # the node whose hook this is
+            if node is not None:
+                self._depth = max(self._depth, self._graph_top - node._sequence_nr())
         module = self._phase_module or self._root_name
         add, on_device = self._ledger.add, self._on_device
         added = 0
@@ -863,7 +926,7 @@ class Tracker:
         return Phase.BACKWARD, inner
 
     def _on_backward_start(self, name: str) -> None:
-        if not self._active or not self._profiled or name in self._bwd:
+        if self._done or not self._active or not self._profiled or name in self._bwd:
             return
         task = torch._C._current_graph_task_id()
         if task != self._bwd_task:
@@ -875,7 +938,7 @@ class Tracker:
         self._bwd[name] = _Span(name, alloc)
 
     def _on_backward_end(self, name: str) -> None:
-        if self._active and self._profiled and name in self._bwd:
+        if not self._done and self._active and self._profiled and name in self._bwd:
             self._close_backward(name)
 
     def _on_backward_done(self) -> None:

@@ -243,3 +243,62 @@ def test_optimizer_found_at_its_step_counts_from_the_steps_start(simulated):
     # Two 1 MiB weights' exp_avg and exp_avg_sq (and, on the CPU, the 4-byte step counters)
     assert (step0["optimizer_state"] == 4 * MiB + (0 if simulated else 8)).all()
     assert found.timeline.equals(given.timeline)
+
+
+class Fan(nn.Module):
+    """Widens to 16x and back: its backward makes two wide gradients while the
+    wide activations are still saved, the step's peak, in the middle of backward."""
+
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(d, 16 * d), nn.ReLU(), nn.Linear(16 * d, d)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+def deep_peak():
+    """The peak in the backward of the second of three blocks of 24 Linears, many nodes after the loss."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(128, 256)]
+    for i in range(3):
+        layers += [nn.Linear(256, 256) for _ in range(24)] + ([Fan()] if i == 1 else [])
+    model = nn.Sequential(*layers, nn.Linear(256, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(512, 128, device="cuda")
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+def test_a_cheap_step_hooks_only_the_nodes_before_its_peak(monkeypatch):
+    """The peak falls in Fan's backward, after the backward of the 25 layers above
+    it: a cheap step hooks the autograd nodes backward runs until then (with a
+    margin), not the whole graph, and reports what a full step does."""
+    calls = []
+    on_node_grads = memprof.tracker.Tracker._on_node_grads
+
+    def counted(self, grad_inputs, grad_outputs):
+        calls[-1] += 1
+        return on_node_grads(self, grad_inputs, grad_outputs)
+
+    monkeypatch.setattr(memprof.tracker.Tracker, "_on_node_grads", counted)
+
+    def count_step(model, i):
+        calls.append(0)
+
+    ref, ref_peaks, _ = run(deep_peak, full=True, before_step=count_step)
+    full_calls, calls[:] = calls[1:], []
+    r, peaks, _ = run(deep_peak, before_step=count_step)
+    assert ref_peaks[-1].phase == "backward Sequential.49.act"  # Fan's
+    assert [(p.step, p.phase, p.bytes) for p in peaks] == [(p.step, p.phase, p.bytes) for p in ref_peaks]
+    assert r.meta["full_profiles"] == [0, 1]
+    # A full step's backward runs every node; a cheap one those backward runs
+    # before the peak (the head's, the 24 Linears' above Fan, Fan's), and the margin.
+    assert calls[:2] == full_calls[:2] and len(set(full_calls)) == 1
+    cheap = calls[2:]
+    assert len(set(cheap)) == 1 and cheap[0] < full_calls[0] * 3 // 4
