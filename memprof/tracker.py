@@ -102,6 +102,9 @@ def _on_first_grad(obj: Any, fn, handles: list) -> list[torch.Tensor]:
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     """The storage that holds ``t``'s bytes on this process: for a sharded
     DTensor (FSDP2), the local shard's, not the global tensor's."""
+    cls = type(t)
+    if cls is torch.Tensor or cls is nn.Parameter:  # most tensors: a failed getattr costs more than all else here
+        return t.untyped_storage()
     local = getattr(t, "_local_tensor", None)
     return (local if isinstance(local, torch.Tensor) else t).untyped_storage()
 
@@ -140,15 +143,19 @@ class _Plan:
     (each node is created after the nodes it feeds, and the engine's ready
     queue takes the highest first: torch/csrc/autograd/engine.cpp,
     CompareNodeTaskTime), so those before the bracket are the ``depth``
-    nodes nearest the forward's output in creation order.
+    nodes nearest the forward's output in creation order. And it hooks the
+    forwards of the few modules whose events it needs (``hooked``: the root,
+    the bracket's modules, the modules whose forward a checkpoint recomputes
+    in backward), not every module's.
     """
 
-    __slots__ = ("bracket", "events", "modules", "phase", "depth")
+    __slots__ = ("bracket", "events", "modules", "phase", "depth", "hooked")
 
-    def __init__(self, bracket: tuple[tuple, tuple], phase: str, depth: int) -> None:
+    def __init__(self, bracket: tuple[tuple, tuple], phase: str, depth: int, also_hooked: Iterable[str]) -> None:
         self.bracket, self.phase, self.depth = bracket, phase, depth
         self.events = frozenset(key[:2] for key in bracket)
         self.modules = frozenset(key[1] for key in bracket if key[0] in _FINE_EVENTS)
+        self.hooked = self.modules | frozenset(also_hooked)
 
 
 # Events at which a cheap profiled step skips reading the counters (unless they
@@ -204,6 +211,9 @@ class Tracker:
             (m, f"{root}.{n}" if n else root) for n, m in model.named_modules()
         )
         self._types = {self._names[m]: type(m).__name__ for m in model.modules()}
+        self._by_name = {name: weakref.ref(m) for m, name in self._names.items()}
+        # Modules whose forward a checkpoint recomputed in backward (in the last full step).
+        self._recompute_roots: set[str] = set()
         # Each module's path and its ancestors' up to the root: a module row
         # includes its submodules.
         self._chains: dict[str, tuple[str, ...]] = {}
@@ -488,6 +498,7 @@ class Tracker:
             self._saved_over_step.clear()
             self._fwd_delta.clear()
             self._bwd_delta.clear()
+            self._recompute_roots.clear()
         # Each sample is named by its event and the event's occurrence in the
         # step, so that a cheap step can find the samples of the full one.
         self._occurrences: dict[tuple[str, str], int] = defaultdict(int)
@@ -511,8 +522,16 @@ class Tracker:
         # step, so that full and cheap steps take the same ones.
         self._big = max(self._last_alloc >> 5, 1 << 20)
         h = self._step_handles
-        h.append(nn.modules.module.register_module_forward_pre_hook(self._on_pre))
-        h.append(nn.modules.module.register_module_forward_hook(self._on_post, always_call=True))
+        if full:
+            h.append(nn.modules.module.register_module_forward_pre_hook(self._on_pre))
+            h.append(nn.modules.module.register_module_forward_hook(self._on_post, always_call=True))
+        else:
+            for name in self._plan.hooked:
+                ref = self._by_name.get(name)  # "" for a saved tensor's or a node's event
+                module = ref() if ref is not None else None
+                if module is not None:
+                    h.append(module.register_forward_pre_hook(self._on_pre))
+                    h.append(module.register_forward_hook(self._on_post, always_call=True))
         # Bound once a step, not once a node or parameter (see _hook_graph).
         self._node_hook = self._on_node_grads
         if full:  # a cheap step looks at the gradients at its bracket's samples only
@@ -536,7 +555,7 @@ class Tracker:
             # repeats (the first steps differ: lazy initialisation, optimizer
             # state), and the next profiled steps read the counters around it only.
             if self._peak_keys == self._last_bracket and plan is None:
-                self._plan = _Plan(self._peak_keys, phase, self._peak_depth)
+                self._plan = _Plan(self._peak_keys, phase, self._peak_depth, {self._root_name, *self._recompute_roots})
             self._last_bracket = self._peak_keys
         elif self._peak_keys == plan.bracket:
             phase = plan.phase  # the full step's name for it: a cheap step's backward phases are coarse
@@ -560,9 +579,13 @@ class Tracker:
         # backward phases, at the same moment of the same step.
         if best is None or peak.allocated >= best.allocated:
             self._reported = peak
-            if self._full or peak.allocated > best.allocated:
+            if self._full:
                 self._modules = self._module_rows(led.by_module(mark))
                 self._optimizer_state = led.group(Category.OPTIMIZER_STATE, by="detail")
+            elif peak.allocated > best.allocated:
+                # A cheap step names storages by the few modules it hooks: the
+                # next profiled step is a full one, whose table names them all.
+                self._plan = self._last_bracket = None
         led.close_journal()
         # Activations and their gradients of this step are dead or about to be;
         # keep the ledger small between profiled steps.
@@ -764,6 +787,8 @@ class Tracker:
             # A forward that begins while autograd runs a node is a checkpointed
             # module's recomputation (torch.utils.checkpoint, either kind).
             self._recompute = torch._C._current_autograd_node() is not None
+            if self._recompute and self._full:
+                self._recompute_roots.add(name)
         alloc = self._sample(Phase.RECOMPUTE if self._recompute else Phase.FORWARD, name, ("pre", name))
         if outer:  # the root: its inputs, and start watching saved tensors
             self._failed = None  # an error caught by the script, which goes on

@@ -32,6 +32,7 @@ def workload():
 
 
 def test_categories_add_up_and_peak_matches_max_memory_allocated():
+    before = torch.cuda.memory_allocated()  # the process's own (an earlier test's): temporaries to memprof
     model, opt, step = workload()
     untracked = []
     for _ in range(4):
@@ -49,7 +50,7 @@ def test_categories_add_up_and_peak_matches_max_memory_allocated():
     # Steady-state steps allocate identically: the tracked peak is the untracked one, to the byte.
     assert r.steps["peak_allocated"].tolist()[1:] == untracked[1:]
     assert r.peak.allocated == max(untracked[1:])
-    assert r.peak.named_fraction >= 0.9
+    assert r.peak.bytes["temporaries"] - before <= 0.1 * (r.peak.allocated - before)
     assert r.peak.bytes["fragmentation"] >= 0
     assert "non_pytorch" in r.peak.bytes or pytest.importorskip("pynvml") is None
     # 4 x (1024x4096 + 4096 + 4096x1024 + 1024 + 2x1024) fp32 parameters, each rounded to 512 B blocks
