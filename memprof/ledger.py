@@ -80,6 +80,9 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, storage: torch.UntypedStorage) -> bool:
+        return weakref.ref(storage) in self._entries
+
     def get(self, storage: torch.UntypedStorage) -> Entry | None:
         e = self._entries.get(weakref.ref(storage))
         return Entry(_CATEGORIES[e[0]], e[1], e[2], e[3]) if e is not None else None

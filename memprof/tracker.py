@@ -45,7 +45,6 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .allocator import counters_for
 from .categories import ALLOCATED, Category
@@ -221,11 +220,9 @@ class Tracker:
             parent = name.rpartition(".")[0]
             self._chains[name] = (name, *self._chains.get(parent, ()))
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
-        # Each optimizer's state as last recorded: parameter -> weak references to its state tensors
-        # (keyed by identity: a tensor's == is elementwise).
-        self._recorded_state: weakref.WeakKeyDictionary[torch.optim.Optimizer, WeakIdKeyDictionary] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Each optimizer's state as last recorded, in the order of its ``state``:
+        # weak references to each parameter and to its state tensors.
+        self._recorded_state: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple]] = weakref.WeakKeyDictionary()
         self._primary: weakref.ref | None = self._optimizer
 
         self._handles: list = []  # removed on exit
@@ -669,21 +666,28 @@ class Tracker:
         it all.)
         """
         led = self._ledger
-        recorded = self._recorded_state.setdefault(opt, WeakIdKeyDictionary())
-        for p, state in opt.state.items():
-            tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+        last = self._recorded_state.get(opt) if changed else None
+        if last is not None and len(last) != len(opt.state):
+            last = None  # parameters came or went: compare nothing, record all
+        recorded = []
+        for i, (p, state) in enumerate(opt.state.items()):
+            tensors = tuple(v for v in state.values() if isinstance(v, torch.Tensor))
             is_tensor = isinstance(p, torch.Tensor)
-            last = recorded.get(p) if is_tensor else None
-            same = last is not None and len(last) == len(tensors) and all(r() is t for r, t in zip(last, tensors))
-            if same and changed:
-                continue
+            # Compared by position in the state's order, by identity: cheaper than
+            # a lookup by parameter, and a tensor's == is elementwise.
+            if last is not None and is_tensor:
+                ref, refs = last[i]
+                if ref is not None and ref() is p and len(refs) == len(tensors) and all(
+                        r() is t for r, t in zip(refs, tensors)):
+                    recorded.append(last[i])
+                    continue
             owner = led.get(_storage(p)) if is_tensor else None
             module = owner.module if owner is not None else ""
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and self._on_device(value):
                     led.add(_storage(value), Category.OPTIMIZER_STATE, module, str(key))
-            if is_tensor and not same:
-                recorded[p] = tuple(map(weakref.ref, tensors))
+            recorded.append((weakref.ref(p) if is_tensor else None, tuple(map(weakref.ref, tensors))))
+        self._recorded_state[opt] = recorded
 
     def _on_device(self, t: torch.Tensor) -> bool:
         if self._simulated:  # a simulated GPU's tensors are meta tensors that report device cuda
@@ -870,16 +874,23 @@ class Tracker:
             return
         storage = _storage(t)
         module = self._fwd[-1].name if self._fwd else self._root_name
-        base = t._base
-        if isinstance(t if base is None else base, nn.Parameter) and self._ledger.get(storage) is None:
-            # A parameter the model did not register before the step: FSDP's
-            # gathered (unsharded) copy, whose storage it frees and re-fills
-            # in place; its size is re-read at every sample.
-            self._ledger.add(storage, Category.PARAMETERS, module, "gathered")
-            self._resizable.append(weakref.ref(storage))
-        # The first module to save a storage owns it: a later save of the same
-        # storage (the next Linear saving a ReLU's output) adds nothing live.
-        added = self._ledger.add(storage, Category.ACTIVATIONS, module)
+        led = self._ledger
+        if storage in led:
+            # A weight, or a storage saved before: the first module to save a
+            # storage owns it, and a later save (the next Linear saving a ReLU's
+            # output) adds nothing live.
+            if not self._full:
+                return
+            added = 0
+        else:
+            base = t._base
+            if isinstance(t if base is None else base, nn.Parameter):
+                # A parameter the model did not register before the step: FSDP's
+                # gathered (unsharded) copy, whose storage it frees and re-fills
+                # in place; its size is re-read at every sample.
+                led.add(storage, Category.PARAMETERS, module, "gathered")
+                self._resizable.append(weakref.ref(storage))
+            added = led.add(storage, Category.ACTIVATIONS, module)
         if added >= self._big:
             self._sample(self._kind, self._phase_module, ("saved", ""))
         if not self._full:
