@@ -571,9 +571,8 @@ class Tracker:
             self._full_steps.append(self.step)
             self._timeline.append(self._rows)
         # The reported step has the highest peak, the latest of equal ones.
-        # Its module table is rebuilt unless a cheap step only equals a full
-        # one: the full step's table names activation gradients by the finer
-        # backward phases, at the same moment of the same step.
+        # Its module table comes from a full step: a cheap one that only equals
+        # it held the same storages at the same moment of the same step.
         if best is None or peak.allocated >= best.allocated:
             self._reported = peak
             if self._full:
