@@ -444,7 +444,7 @@ class Tracker:
         # for the device (light steps take the host's clock, as ever).
         if self._profiled and self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             return event
         return self._clock()
 
