@@ -61,36 +61,57 @@ _HALF = (torch.float16, torch.bfloat16)
 class TimeModel:
     """Step time as two clocks, the host's and the device's.
 
-    The host issues every operator of the step, one after another, at a
-    fixed cost each (Python, autograd and PyTorch's eager dispatch): one in
-    forward (``host_forward``, Python module code drives it), another in
-    backward (``host_backward``, autograd's engine drives it), and a
-    convolution its own (``host_convolution``: cuDNN picks and builds a plan
-    per call); the device runs a kernel once it is issued and the previous
-    kernel is done. A kernel's device time is its roofline: the larger of its
-    arithmetic at the dtype's tensor-core rate and its bytes (inputs read
-    once, outputs written once) at memory bandwidth, each at an achievable
-    fraction of the datasheet, plus a fixed gap per kernel (``per_kernel``).
-    A step ends when both are done (``memprof.track`` and ``verify`` time
-    steps between synchronisations). So a step of large kernels costs their
-    rooflines, and a step of small ones (small micro-batches, recomputation)
-    costs what the host needs to issue them. Constants fitted to 78 plans of
-    5 workloads measured on an H200 (median |error| 10.7 %, was 25.6 % with
-    the roofline alone) and checked on 68 plans of 4 others it never saw
-    (15.9 %, was 50.6 %): benchmarks/results/step-time.md."""
+    The host issues every operator of the step, one after another, and each
+    costs it a fixed time (Python, autograd and PyTorch's eager dispatch, the
+    kernel's launch): ``host_forward`` where Python code drives the operators
+    (the model's forward, the optimizer's step), ``host_backward`` where
+    autograd's engine does (C++, no Python in between), ``host_convolution``
+    for a convolution (cuDNN picks and builds a plan per call). Activation
+    checkpointing's recomputation runs the forward's Python code again inside
+    the engine, with the checkpoint's saved-tensor hooks (Python, per saved
+    tensor) around it: a recomputed operator costs ``host_forward`` plus
+    ``host_recompute``. The device runs each kernel once it is issued and the
+    previous kernel is done: its roofline, the larger of its arithmetic at the
+    dtype's tensor-core rate and its bytes (inputs read once, outputs written
+    once) at memory bandwidth, each at an achievable fraction of the
+    datasheet, plus a fixed gap per kernel (``per_kernel``). A copy between
+    host and device runs in stream order at the link's rate; one that the host
+    waits for (``SimulatedAllocator.transfer(synchronize=True)``) brings the
+    two clocks together. A step ends when both are done (``memprof.track``
+    and ``verify`` time steps between synchronisations). So a step of large
+    kernels costs their rooflines, and a step of small ones (small
+    micro-batches, recomputation) costs what the host needs to issue them.
 
-    flop_efficiency: float = 0.75
-    bandwidth_efficiency: float = 0.55
-    per_kernel: float = 12e-6
-    host_forward: float = 23e-6
-    host_backward: float = 20e-6
-    host_convolution: float = 150e-6
+    Constants fitted to 78 plans of 5 workloads measured on an H200 (median
+    |error| 6.0 %, was 10.7 % without the recomputation and offload terms)
+    and checked on 68 plans of 4 others it never saw (10.6 %, was 15.9 %):
+    benchmarks/results/step-time.md. The worst errors (about 60 %) are
+    host-bound steps: what the host spends per operator differs by model
+    (at most 13 µs for a Llama's, 20-25 µs for GPT-2's), which one
+    constant per phase cannot follow. Copies run at the link's nominal rate,
+    which offload's measured steps reach about 0.8 of."""
 
-    def host_seconds(self, convolution: bool, backward: bool) -> float:
-        """The host's time to issue one operator."""
+    flop_efficiency: float = 0.71
+    bandwidth_efficiency: float = 0.51
+    per_kernel: float = 8e-6
+    host_forward: float = 23.9e-6
+    host_backward: float = 17.3e-6
+    host_convolution: float = 144e-6
+    host_recompute: float = 38.3e-6
+
+    def host_seconds(self, convolution: bool, backward: bool, recompute: bool = False) -> float:
+        """The host's time to issue one operator: ``backward`` when autograd's
+        engine issues it, ``recompute`` when the engine runs forward code again
+        (grad mode on inside backward: activation checkpointing)."""
         if convolution:
-            return self.host_convolution
-        return self.host_backward if backward else self.host_forward
+            seconds = self.host_convolution
+        elif backward and not recompute:
+            seconds = self.host_backward
+        else:
+            seconds = self.host_forward
+        if recompute:
+            seconds += self.host_recompute
+        return seconds
 
     def seconds(self, gpu: GPU, flops: int, nbytes: int, dtype: torch.dtype | None, tf32: bool = False) -> float:
         """One kernel's device time."""
@@ -142,15 +163,17 @@ class SimulatedAllocator(TorchDispatchMode):
         self.bytes_moved = 0
         self.kernels = 0
         #: When a list, every device operator's (flops, bytes, precision: 2 half, 1 tf32, 0 fp32,
-        #: -1 for an operator that launches no kernel, -2 for a host-device transfer; is a
-        #: convolution; runs in backward) is appended.
-        self.trace: list[tuple[int, int, int, bool, bool]] | None = None
+        #: -1 for an operator that launches no kernel, -2 for a host-device transfer, -3 for one
+        #: the host waits for; is a convolution; runs in backward; is recomputed (grad mode on in
+        #: backward); the operators the host issues for it: 1, more for a transfer) is appended.
+        self.trace: list[tuple[int, int, int, bool, bool, bool, int]] | None = None
         #: When a list, allocation and time events are appended: ``("m", handle,
         #: bytes)``, ``("f", handle)``, ``("k", seconds, handles, host seconds)``
         #: for a kernel (its device time, the handles of the outputs it allocated,
         #: the host's time to issue it), ``("o", host seconds)`` for an operator
-        #: without a kernel, ``("t", seconds)`` for a transfer and
-        #: ``("c", seconds)`` for time charged to both clocks (see :func:`replay_step`).
+        #: without a kernel, ``("t", seconds, host seconds, synchronize)`` for a
+        #: transfer and ``("c", seconds)`` for time charged to both clocks (see
+        #: :func:`replay_step`).
         self.events: list[tuple] | None = None
         self._handles: dict[weakref.ref, int] = {}
         self._workspace: int | None = None
@@ -176,14 +199,29 @@ class SimulatedAllocator(TorchDispatchMode):
         self.host = self.device = self.seconds
         return self.host
 
-    def transfer(self, nbytes: int, bandwidth: float) -> None:
-        """A copy between host and device of ``nbytes`` at ``bandwidth`` bytes/s, on the device's clock."""
+    def transfer(self, nbytes: int, bandwidth: float, synchronize: bool = False, host_ops: int = 1) -> None:
+        """A copy between host and device of ``nbytes`` at ``bandwidth`` bytes/s.
+
+        The host issues it as ``host_ops`` operators (``copy_``, and the
+        ``empty`` of its destination where the caller makes one) at the time
+        model's cost for the phase; the device runs it in stream order after
+        the kernels before it. With ``synchronize`` the host then waits until
+        it is done, as for a copy to host memory without ``non_blocking``
+        (``copy_`` ends in a stream synchronisation: aten's
+        ``memcpy_and_sync``), so the device idles until the host issues more.
+        """
+        backward = torch._C._current_graph_task_id() != -1
+        recompute = backward and torch.is_grad_enabled()
+        host = host_ops * self.time_model.host_seconds(False, backward, recompute)
         seconds = nbytes / bandwidth
+        self.host += host
         self.device = max(self.device, self.host) + seconds
+        if synchronize:
+            self.host = self.device
         if self.events is not None:
-            self.events.append(("t", seconds))
+            self.events.append(("t", seconds, host, synchronize))
         if self.trace is not None:
-            self.trace.append((0, nbytes, -2, False, False))
+            self.trace.append((0, nbytes, -3 if synchronize else -2, False, backward, recompute, host_ops))
 
     # -- the counters memprof.track reads --------------------------------------
     def read(self) -> Counters:
@@ -274,13 +312,17 @@ class SimulatedAllocator(TorchDispatchMode):
             return out
         flops, nbytes, dtype, conv, kernel = cost
         backward = torch._C._current_graph_task_id() != -1  # autograd's engine is running
-        host = self.time_model.host_seconds(conv, backward)
+        # The engine runs with grad mode off; checkpointing's recomputation turns it on to
+        # record the block's forward again (so does a double backward, create_graph=True,
+        # which is charged as recomputation too).
+        recompute = backward and torch.is_grad_enabled()
+        host = self.time_model.host_seconds(conv, backward, recompute)
         self.host += host
         if not kernel:
             if self.events is not None:
                 self.events.append(("o", host))
             if self.trace is not None:
-                self.trace.append((0, 0, -1, conv, backward))
+                self.trace.append((0, 0, -1, conv, backward, recompute, 1))
             return out
         tf32 = conv and torch.backends.cudnn.allow_tf32
         seconds = self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32)
@@ -291,7 +333,7 @@ class SimulatedAllocator(TorchDispatchMode):
         self.bytes_moved += nbytes
         self.kernels += 1
         if self.trace is not None:
-            self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0), conv, backward))
+            self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0), conv, backward, recompute, 1))
         return out
 
 
@@ -329,8 +371,11 @@ def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> tuple[int,
                 device = max(device, host) + e[1]
         elif kind == "o":
             host += e[1]
-        elif kind == "t":
+        elif kind == "t":  # a transfer: issued by the host, run by the device, perhaps waited for
+            host += e[2]
             device = max(device, host) + e[1]
+            if e[3]:
+                host = device
         else:  # "c": charged to both clocks
             host = device = max(host, device) + e[1]
     return model.peak_allocated, model.peak_reserved, max(host, device)

@@ -15,6 +15,11 @@ from .base import Door, Strategy
 __all__ = ["ActivationOffload"]
 
 
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
 class ActivationOffload(Strategy):
     """Keep what forward saves for backward in (pinned) host memory.
 
@@ -23,6 +28,12 @@ class ActivationOffload(Strategy):
     """
 
     name = "offload_act"
+    #: Whether ``save_on_cpu``'s pack waits for its copy: before torch 2.12 it
+    #: copies into pinned memory with a plain ``copy_`` (no ``non_blocking``),
+    #: which ends in a stream synchronisation, so every saved tensor makes the
+    #: host wait for the device (pytorch/pytorch#175421 made it non-blocking).
+    #: The simulated step times it so; set it to time another version's.
+    synchronous_pack: bool = _torch_version() < (2, 12)
 
     def apply(self, workload: Workload) -> None:
         workload.saved_tensors_hooks = lambda: save_on_cpu(pin_memory=True)
@@ -44,15 +55,13 @@ class ActivationOffload(Strategy):
         vc = current()
         alloc = vc.allocator if vc is not None else None
         link = vc.gpu.pcie_bandwidth if vc is not None else 32e9
-
-        def transfer(nbytes: int) -> None:
-            if alloc is not None:
-                alloc.transfer(nbytes, link)
+        synchronize = self.synchronous_pack
 
         def pack(t: torch.Tensor):
             if not t.is_meta:
                 return t
-            transfer(t.numel() * t.element_size())
+            if alloc is not None:  # the host issues torch.empty(pin_memory=True) and copy_
+                alloc.transfer(t.numel() * t.element_size(), link, synchronize=synchronize, host_ops=2)
             return (tuple(t.shape), tuple(t.stride()), t.dtype)  # the device copy is freed
 
         def unpack(packed):
@@ -60,7 +69,8 @@ class ActivationOffload(Strategy):
                 return packed
             shape, stride, dtype = packed
             out = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-            transfer(out.numel() * out.element_size())
+            if alloc is not None:  # .to(device, non_blocking=True): the copy, its destination made above
+                alloc.transfer(out.numel() * out.element_size(), link)
             return out
 
         workload.saved_tensors_hooks = lambda: torch.autograd.graph.saved_tensors_hooks(pack, unpack)
