@@ -8,8 +8,11 @@ to each workload of the set with PyTorch's engines and times the median of
 4 steps after 2 warm-up steps (``memprof.advisor.measure_steps``). Two sets:
 the time model is fitted on ``fit`` and re-checked on ``check``, whose
 workloads (and sizes) it never saw. ``fit`` simulates each plan on the
-H200 and fits the time model's constants to the measured steps by least
-squares on the log of the ratio; it reports the error per plan for both sets.
+H200 (activation offload's pack as the measured torch did it) and fits
+``memprof.simulate.TimeModel``'s constants to the measured steps by
+coordinate descent on the mean |log| of predicted over measured; it reports
+the error per plan and per workload for both sets, next to the constants
+memprof ships, and the plan the advisor would choose in 12 and 24 GiB.
 """
 
 from __future__ import annotations
@@ -70,58 +73,111 @@ def measure(which: str, out: Path, only: list[str] | None = None) -> None:
         path.write_text(json.dumps({"meta": meta, "runs": results}, indent=1) + "\n")
 
 
-def trace(model: str, size: tuple, plan: str, gpu) -> np.ndarray:
-    """The simulated step of ``plan`` on ``model``, operator by operator: rows of
-    (flops, bytes, precision or -1 without a kernel or -2 for a transfer, is a
-    convolution, runs in backward); the third step of a fresh build, every
-    micro-batch run."""
+def trace(model: str, size: tuple, plan: str, gpu, synchronous_pack: bool) -> np.ndarray:
+    """The simulated step of ``plan`` on ``model``, operator by operator: the
+    rows of ``SimulatedAllocator.trace`` (flops, bytes, precision or -1 without
+    a kernel, -2 for a transfer, -3 for one the host waits for; is a
+    convolution; runs in backward; is recomputed; operators the host issues);
+    the third step of a fresh build, every micro-batch run. Activation
+    offload's pack waits for its copy as the measured torch's did
+    (``synchronous_pack``)."""
     from memprof.simulate import SimulatedAllocator, _state_tensors
+    from memprof.strategies import ActivationOffload
     from memprof.virtual_cuda import VirtualCUDA
 
     alloc = SimulatedAllocator(gpu)
-    with VirtualCUDA(gpu, allocator=alloc):
-        with torch.device("meta"):
-            w = workload(model, "cuda", size)
-        alloc.adopt(_state_tensors(w.model, w.optimizer))
-        for s in default_plans(gpu=gpu)[plan]():
-            s.apply_simulated(w)
-        w.step()
-        w.step()
-        alloc.trace = []
-        w.step()
-    return np.array(alloc.trace, dtype=np.float64).reshape(-1, 5)
+    before, ActivationOffload.synchronous_pack = ActivationOffload.synchronous_pack, synchronous_pack
+    try:
+        with VirtualCUDA(gpu, allocator=alloc):
+            with torch.device("meta"):
+                w = workload(model, "cuda", size)
+            alloc.adopt(_state_tensors(w.model, w.optimizer))
+            for s in default_plans(gpu=gpu)[plan]():
+                s.apply_simulated(w)
+            w.step()
+            w.step()
+            alloc.trace = []
+            w.step()
+    finally:
+        ActivationOffload.synchronous_pack = before
+    return np.array(alloc.trace, dtype=np.float64).reshape(-1, COLUMNS)
+
+
+COLUMNS = 7  # of a trace row; a cached trace of another width is made again
+#: TimeModel's constants, in the order step_seconds takes them.
+PARAMS = ("flop_efficiency", "bandwidth_efficiency", "per_kernel", "host_forward", "host_backward",
+          "host_convolution", "host_recompute")
 
 
 def step_seconds(tr: np.ndarray, gpu, fe: float, be: float, per_kernel: float, host_forward: float,
-                 host_backward: float, host_convolution: float) -> float:
-    """TimeModel on a trace, vectorised: the host issues operator j at the sum
-    of the issue costs up to it; the device runs each kernel (or transfer) once
-    issued and the previous one is done, so it ends at max over j of
-    (issue_j + the device time of kernel j and all after it)."""
-    flops, nbytes, kind, conv, bwd = tr[:, 0], tr[:, 1], tr[:, 2], tr[:, 3] > 0, tr[:, 4] > 0
+                 host_backward: float, host_convolution: float, host_recompute: float) -> float:
+    """TimeModel on a trace, vectorised. The host issues row j at the sum of
+    the issue costs up to it; the device runs each kernel (or transfer) once
+    issued and the previous one is done, so between two synchronisations (a
+    transfer the host waits for) the device ends at the max over j of
+    (issue_j + the device time of row j and all after it up to the
+    synchronisation), and the segment lasts the longer of that and the host's
+    sum; the step is the sum of its segments."""
+    if not len(tr):
+        return 0.0
+    flops, nbytes, kind = tr[:, 0], tr[:, 1], tr[:, 2]
+    conv, bwd, rec, ops = tr[:, 3] > 0, tr[:, 4] > 0, tr[:, 5] > 0, tr[:, 6]
+    # TimeModel.host_seconds, times the operators each row stands for.
+    phase = np.where(conv, host_convolution, np.where(bwd & ~rec, host_backward, host_forward))
+    host = ops * (phase + np.where(rec, host_recompute, 0.0))
     rates = np.array([gpu.fp32_tflops, gpu.tf32_tflops or gpu.bf16_tflops / 2, gpu.bf16_tflops]) * 1e12 * fe
-    kernel = kind >= 0
+    kernel, transfer = kind >= 0, kind <= -2
     roof = np.maximum(flops / rates[np.clip(kind, 0, 2).astype(int)], nbytes / (gpu.memory_bandwidth * be)) + per_kernel
-    dev = np.where(kernel, roof, np.where(kind == -2, nbytes / gpu.pcie_bandwidth, 0.0))
-    cost = np.where(conv, host_convolution, np.where(bwd, host_backward, host_forward))
-    issue = np.cumsum(np.where(kind == -2, 0.0, cost))
-    after = np.cumsum(dev[::-1])[::-1]
-    on_device = kernel | (kind == -2)
-    end = float(np.max((issue + after)[on_device])) if on_device.any() else 0.0
-    return max(float(issue[-1]) if len(issue) else 0.0, end)
+    dev = np.where(kernel, roof, np.where(transfer, nbytes / gpu.pcie_bandwidth, 0.0))
+    n = len(tr)
+    ends = np.flatnonzero(kind == -3)
+    starts = np.unique(np.concatenate([[0], ends[ends + 1 < n] + 1]))
+    segment = np.zeros(n, dtype=int)
+    segment[starts[1:]] = 1
+    segment = np.cumsum(segment)
+    issue = np.cumsum(host)
+    issue -= np.concatenate([[0.0], issue])[starts][segment]  # from the segment's start
+    after = np.cumsum(dev[::-1])[::-1]  # device time of rows j.. to the trace's end
+    last = np.concatenate([starts[1:] - 1, [n - 1]])
+    after -= np.concatenate([after, [0.0]])[last + 1][segment]  # .. to the segment's end
+    device = np.maximum.reduceat(np.where(kernel | transfer, issue + after, 0.0), starts)
+    return float(np.maximum(device, np.add.reduceat(host, starts)).sum())
+
+
+def _descend(score, start: list[float], bounded: tuple[int, ...]) -> list[float]:
+    """Coordinate descent from ``start`` by relative steps (50 % down to 0.5 %),
+    each constant up or down while ``score`` falls; those in ``bounded`` stay <= 1."""
+    best, value = list(start), score(start)
+    for step in (0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005):
+        moved = True
+        while moved:
+            moved = False
+            for i in range(len(best)):
+                for factor in (1 + step, 1 / (1 + step)):
+                    trial = list(best)
+                    trial[i] = min(trial[i] * factor, 1.0) if i in bounded else trial[i] * factor
+                    v = score(trial)
+                    if v < value - 1e-12:
+                        best, value, moved = trial, v, True
+    return best
 
 
 def fit(out: Path) -> None:
     """Simulate every measured plan, fit the time model on the fit set, report both sets."""
+    from dataclasses import astuple
+
     from memprof.devices import get_gpu
     from memprof.simulate import TimeModel
 
     gpu = get_gpu("H200-141GB")
-    measured = {which: json.loads((out / f"step-time-measured-{which}.json").read_text())["runs"] for which in SETS}
+    sets = {which: json.loads((out / f"step-time-measured-{which}.json").read_text()) for which in SETS}
+    measured = {which: data["runs"] for which, data in sets.items()}
     traces: dict[tuple[str, str, str], tuple[np.ndarray, float]] = {}
     cache = out / "step-time-traces.npz"  # not kept in the repository: made again when absent
-    kept = dict(np.load(cache)) if cache.exists() else {}
+    kept = {k: v for k, v in np.load(cache).items() if v.shape[1:] == (COLUMNS,)} if cache.exists() else {}
     for which, runs in measured.items():
+        # save_on_cpu's pack waited for its copy before torch 2.12 (see ActivationOffload.synchronous_pack).
+        version = tuple(int(x) for x in sets[which]["meta"]["torch"].split("+")[0].split(".")[:2])
         for (model, size) in SETS[which]:
             for plan, row in runs.get(_name(model, size), {}).items():
                 if "seconds" not in row:
@@ -129,36 +185,37 @@ def fit(out: Path) -> None:
                 key = f"{which}|{_name(model, size)}|{plan}"
                 if key not in kept:
                     t = time.perf_counter()
-                    kept[key] = trace(model, size, plan, gpu)
+                    kept[key] = trace(model, size, plan, gpu, synchronous_pack=version < (2, 12))
                     print(f"{key}: {len(kept[key])} ops ({time.perf_counter() - t:.1f} s)", flush=True)
                 traces[which, _name(model, size), plan] = (kept[key], row["seconds"])
     np.savez_compressed(cache, **kept)
+
     def errors(params, which):
         return [math.log(step_seconds(tr, gpu, *params) / sec) for (w, *_), (tr, sec) in traces.items() if w == which]
 
     def score(params) -> float:
         return statistics.mean(abs(e) for e in errors(params, "fit"))
 
-    old = TimeModel()
-    # Coordinate descent from the roofline's constants: each constant in turn over a grid, three rounds.
-    grids = [np.arange(0.5, 1.01, 0.05), np.arange(0.3, 0.91, 0.05), np.arange(0, 12.1e-6, 1e-6),
-             np.arange(0, 60.1e-6, 1e-6), np.arange(0, 60.1e-6, 1e-6), np.arange(0, 300.1e-6, 5e-6)]
-    best = [old.flop_efficiency, old.bandwidth_efficiency, old.per_kernel, 15e-6, 10e-6, 50e-6]
-    for _ in range(3):
-        for i, grid in enumerate(grids):
-            best[i] = min(grid, key=lambda v: score(best[:i] + [v] + best[i + 1:]))
-    best = [float(v) for v in best]
+    shipped = list(astuple(TimeModel()))  # the constants memprof has now
+    best = [float(v) for v in _descend(score, shipped, bounded=(0, 1))]
     rows = []
     for (which, name, plan), (tr, sec) in traces.items():
-        new = step_seconds(tr, gpu, *best)
-        before = step_seconds(tr, gpu, old.flop_efficiency, old.bandwidth_efficiency, old.per_kernel, 0.0, 0.0, 0.0)
+        new, now = step_seconds(tr, gpu, *best), step_seconds(tr, gpu, *shipped)
         rows.append({"set": which, "workload": name, "plan": plan, "ops": len(tr), "measured_s": sec,
-                     "predicted_s": new, "error": new / sec - 1, "before_s": before, "error_before": before / sec - 1})
-    summary = {}
+                     "predicted_s": new, "error": new / sec - 1, "shipped_s": now, "error_shipped": now / sec - 1})
+    summary: dict = {}
     for which in SETS:
-        for key in ("error", "error_before"):
+        for key in ("error", "error_shipped"):
             errs = sorted(abs(r[key]) for r in rows if r["set"] == which)
             summary[f"{which}_{key}"] = {"plans": len(errs), "median": statistics.median(errs), "worst": errs[-1]}
+    per_workload = {}
+    for which in SETS:
+        for (model, size) in SETS[which]:
+            errs = [r["error"] for r in rows if r["set"] == which and r["workload"] == _name(model, size)]
+            if errs:
+                per_workload[f"{which}|{_name(model, size)}"] = {
+                    "plans": len(errs), "median": statistics.median(abs(e) for e in errs),
+                    "worst": max(errs, key=abs), "mean": statistics.mean(errs)}
     # The advisor's choice with these times: the fastest predicted of the plans that fit a budget
     # (fitting by the measured peak reserved, so that this checks the time model alone).
     choices = []
@@ -170,17 +227,22 @@ def fit(out: Path) -> None:
                 fit_plans = [p for p in mine if runs[p]["peak_reserved"] <= budget * 2**30]
                 if not fit_plans:
                     continue
-                chosen = min(fit_plans, key=lambda p: mine[p]["predicted_s"])
                 fastest = min(fit_plans, key=lambda p: mine[p]["measured_s"])
-                choices.append({"set": which, "workload": _name(model, size), "budget_GiB": budget, "chosen": chosen,
-                                "fastest": fastest, "slower_than_fastest": mine[chosen]["measured_s"] / mine[fastest]["measured_s"] - 1})
-    summary["choices_within_5_percent"] = f"{sum(c['slower_than_fastest'] <= 0.05 for c in choices)} of {len(choices)}"
-    params = dict(zip(("flop_efficiency", "bandwidth_efficiency", "per_kernel", "host_forward", "host_backward",
-                       "host_convolution"), best))
+                row = {"set": which, "workload": _name(model, size), "budget_GiB": budget, "fastest": fastest}
+                for suffix, column in (("", "predicted_s"), ("_shipped", "shipped_s")):
+                    chosen = min(fit_plans, key=lambda p: mine[p][column])
+                    row["chosen" + suffix] = chosen
+                    row["slower_than_fastest" + suffix] = mine[chosen]["measured_s"] / mine[fastest]["measured_s"] - 1
+                choices.append(row)
+    for suffix in ("", "_shipped"):
+        within = sum(c["slower_than_fastest" + suffix] <= 0.05 for c in choices)
+        summary["choices_within_5_percent" + suffix] = f"{within} of {len(choices)}"
+    params = dict(zip(PARAMS, best))
     print(params, json.dumps(summary, indent=1))
     (out / "step-time-fit.json").write_text(json.dumps(
-        {"fit": params, "summary": summary, "choices": choices, "runs": rows, "torch": torch.__version__,
-         "command": "python " + " ".join(sys.argv)}, indent=1) + "\n")
+        {"fit": params, "shipped": dict(zip(PARAMS, shipped)), "summary": summary, "per_workload": per_workload,
+         "choices": choices, "runs": rows, "torch": torch.__version__, "command": "python " + " ".join(sys.argv)},
+        indent=1) + "\n")
 
 
 def main() -> None:
