@@ -77,8 +77,9 @@ class TimeModel:
     datasheet, plus a fixed gap per kernel (``per_kernel``). A copy between
     host and device runs in stream order at the link's rate; one that the host
     waits for (``SimulatedAllocator.transfer(synchronize=True)``) brings the
-    two clocks together. A step ends when both are done (``memprof.track``
-    and ``verify`` time steps between synchronisations). So a step of large
+    two clocks together. A step ends when both are done (``verify`` times
+    steps between synchronisations, ``memprof.track`` between CUDA events at
+    a profiled step's ends: the device's span of it). So a step of large
     kernels costs their rooflines, and a step of small ones (small
     micro-batches, recomputation) costs what the host needs to issue them.
 
