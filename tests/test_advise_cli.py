@@ -214,3 +214,22 @@ def test_the_script_watch_sees_checkpointing_accumulation_and_the_optimizer():
     assert (facts.optimizer, facts.implementation, facts.autocast) == ("AdamW", "foreach", None)
     assert facts.parameters == {"fp32": 2 * (8 * 8 + 8) + 8 + 1} and facts.frozen == 9
     assert facts.batch == {"tokens": ([4, 8], "fp32")}
+
+
+def test_verified_plans_show_their_step_time_error():
+    """What `--verify` prints per plan: predicted next to measured, and the step time's error."""
+    import pandas as pd
+    from rich.console import Console
+
+    from memprof.cli import _verified_table
+
+    df = pd.DataFrame([
+        {"plan": "accum2", "predicted_peak_reserved": 3 * 2**30, "measured_peak_reserved": 3 * 2**30 + 2**29,
+         "predicted_seconds": 0.110, "measured_seconds": 0.100, "fits_budget": True},
+        {"plan": "ckpt", "error": "OutOfMemoryError: CUDA out of memory."},
+    ]).set_index("plan")
+    console = Console(width=200, record=True)
+    console.print(_verified_table(df))
+    lines = [line.split() for line in console.export_text().splitlines()]
+    assert ["accum2", "3.00", "GiB", "3.50", "GiB", "110.0", "ms", "100.0", "ms", "+10", "%", "yes"] in lines
+    assert ["ckpt", "OutOfMemoryError:", "CUDA", "out", "of", "memory.", "no"] in lines
