@@ -392,9 +392,13 @@ def advise(
             report, got = simulate_plans(make_workload, group, gpu, steps=steps, base=base, advance=advance)
             baseline = report if not fixed else baseline
             preds.update(got)
+    # One line per reason: a batch that accumulation cannot split fails every accumulation plan alike.
+    failed: dict[str, list[str]] = {}
     for name, pred in preds.items():
         if isinstance(pred, Exception):
-            log.warning("plan %s could not be simulated: %s: %s", name, type(pred).__name__, pred)
+            failed.setdefault(f"{type(pred).__name__}: {pred}", []).append(name)
+    for why, names in failed.items():
+        log.warning("plan%s %s could not be simulated: %s", "s" * (len(names) > 1), ", ".join(names), why)
     if baseline is None or isinstance(preds["baseline"], Exception):
         raise RuntimeError("the baseline step could not be simulated; see the warnings above")
     rows = [(name, preds[name]) for name in plans if not isinstance(preds[name], Exception)]

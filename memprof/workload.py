@@ -31,8 +31,9 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
         return [batch]
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0 or batch.shape[0] % parts:
+            n = batch.shape[0] if batch.dim() else "no"
             raise ValueError(
-                f"a batch of {batch.shape[0] if batch.dim() else 'no'} samples cannot be split into {parts} equal "
+                f"a batch of {n} sample{'' if n == 1 else 's'} cannot be split into {parts} equal "
                 f"micro-batches; choose a number of micro-batches that divides the batch size"
             )
         return list(batch.chunk(parts))
