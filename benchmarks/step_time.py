@@ -24,15 +24,18 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import astuple, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.torch_version import TorchVersion
 
 sys.path.insert(0, str(Path(__file__).parent))
 from suite import workload  # noqa: E402
 
 from memprof.advisor import _measure, default_plans  # noqa: E402
+from memprof.simulate import TimeModel  # noqa: E402
 
 SETS = {
     "fit": [("gpt2", (16, 1024)), ("gpt2", (4, 256)), ("bert", (32, 512)), ("deep_mlp", (64,)), ("resnet50", (64,))],
@@ -105,8 +108,7 @@ def trace(model: str, size: tuple, plan: str, gpu, synchronous_pack: bool) -> np
 
 COLUMNS = 7  # of a trace row; a cached trace of another width is made again
 #: TimeModel's constants, in the order step_seconds takes them.
-PARAMS = ("flop_efficiency", "bandwidth_efficiency", "per_kernel", "host_forward", "host_backward",
-          "host_convolution", "host_recompute")
+PARAMS = tuple(f.name for f in fields(TimeModel))
 
 
 def step_seconds(tr: np.ndarray, gpu, fe: float, be: float, per_kernel: float, host_forward: float,
@@ -164,10 +166,7 @@ def _descend(score, start: list[float], bounded: tuple[int, ...]) -> list[float]
 
 def fit(out: Path) -> None:
     """Simulate every measured plan, fit the time model on the fit set, report both sets."""
-    from dataclasses import astuple
-
     from memprof.devices import get_gpu
-    from memprof.simulate import TimeModel
 
     gpu = get_gpu("H200-141GB")
     sets = {which: json.loads((out / f"step-time-measured-{which}.json").read_text()) for which in SETS}
@@ -177,7 +176,7 @@ def fit(out: Path) -> None:
     kept = {k: v for k, v in np.load(cache).items() if v.shape[1:] == (COLUMNS,)} if cache.exists() else {}
     for which, runs in measured.items():
         # save_on_cpu's pack waited for its copy before torch 2.12 (see ActivationOffload.synchronous_pack).
-        version = tuple(int(x) for x in sets[which]["meta"]["torch"].split("+")[0].split(".")[:2])
+        version = TorchVersion(sets[which]["meta"]["torch"])
         for (model, size) in SETS[which]:
             for plan, row in runs.get(_name(model, size), {}).items():
                 if "seconds" not in row:

@@ -49,18 +49,20 @@ class Tokens(torch.utils.data.Dataset):
         return self.ids[i]
 
 
-def plan_parts(plan: str) -> dict:
-    """A plan's name -> what to change: micro-batches, checkpointing, activation offload."""
+def plan_parts(strategies: list) -> dict:
+    """A plan's strategies -> what to change: micro-batches, checkpointing, activation offload."""
+    from memprof.strategies import Accumulation, ActivationOffload, Checkpointing
+
     out = {"accumulate": 1, "ckpt": False, "offload": False}
-    for part in plan.split("+"):
-        if part.startswith("accum"):
-            out["accumulate"] = int(part[5:])
-        elif part == "ckpt":
+    for s in strategies:
+        if isinstance(s, Accumulation):
+            out["accumulate"] = s.k
+        elif isinstance(s, Checkpointing) and not s.selective:
             out["ckpt"] = True
-        elif part == "offload_act":
+        elif isinstance(s, ActivationOffload):
             out["offload"] = True
-        elif part not in ("baseline", "bf16"):
-            raise SystemExit(f"this benchmark cannot apply the plan part {part!r} of {plan!r}")
+        else:
+            raise SystemExit(f"this benchmark cannot apply {s.name!r} (of {[x.name for x in strategies]})")
     return out
 
 
@@ -199,7 +201,7 @@ def hf_fits(args) -> dict:
         trainer.train()
         return trainer, cb
 
-    trainer, cb = train(plan_parts("baseline"), batch, args.out / "hf", True)
+    trainer, cb = train(plan_parts([]), batch, args.out / "hf", True)
     logged = [{"step": h["step"] - 1, **{k[len("memprof/"):]: v for k, v in h.items() if k.startswith("memprof/")}}
               for h in trainer.state.log_history if any(k.startswith("memprof/") for k in h)]
     advice = cb.advice
@@ -236,7 +238,7 @@ def apply_best(advice, batch: int, run, probe: Probe) -> dict:
     if plan is None:
         raise SystemExit(f"no plan fits {advice.budget} bytes:\n{advice.table}")
     row = advice.table.loc[plan]
-    parts = plan_parts(plan)
+    parts = plan_parts(advice.plans[plan]())
     probe.peaks.clear()
     base = 0
     if torch.cuda.is_available():

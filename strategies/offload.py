@@ -15,11 +15,6 @@ from .base import Door, Strategy
 __all__ = ["ActivationOffload"]
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
 class ActivationOffload(Strategy):
     """Keep what forward saves for backward in (pinned) host memory.
 
@@ -33,7 +28,7 @@ class ActivationOffload(Strategy):
     #: which ends in a stream synchronisation, so every saved tensor makes the
     #: host wait for the device (pytorch/pytorch#175421 made it non-blocking).
     #: The simulated step times it so; set it to time another version's.
-    synchronous_pack: bool = _torch_version() < (2, 12)
+    synchronous_pack: bool = torch.__version__ < (2, 12)  # a TorchVersion: compares with tuples
 
     def apply(self, workload: Workload) -> None:
         workload.saved_tensors_hooks = lambda: save_on_cpu(pin_memory=True)
