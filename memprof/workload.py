@@ -15,6 +15,7 @@ a batch. ``Workload.step()`` is then the plain loop every strategy adjusts::
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
@@ -71,7 +72,7 @@ class Workload:
         """One optimizer step over the whole batch; returns the last micro-batch's loss
         (None in a simulation that did not need to run it)."""
         parts = split_batch(self.batch, self.micro_batches)
-        device_type = _device_type(self.model)
+        device_type = _device_type(self.model, self.batch)
         i, last = 0, None
         while i < len(parts):
             if self.repeats is not None:
@@ -132,8 +133,18 @@ class Workload:
 _SETTINGS = ("autocast_dtype", "scaler", "micro_batches", "saved_tensors_hooks")
 
 
-def _device_type(model: nn.Module) -> str:
-    p = next(model.parameters(), None)
-    t = p.device.type if p is not None else "cpu"
-    # On a simulated GPU the tensors are meta tensors, and autocast is CUDA's.
-    return "cuda" if t == "meta" else t
+def _device_type(model: nn.Module, batch: Any) -> str:
+    """The device type the step computes on, for autocast: the first device
+    other than the host's among the batch's tensors, the model's buffers and
+    its parameters, in that order. The parameters come last because FSDP2's
+    CPU offload keeps them on the host while the step computes on the GPU
+    (an autocast for the parameters' device would then be the CPU's, and the
+    GPU would compute in fp32)."""
+    from torch.utils._pytree import tree_leaves
+
+    tensors = (t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+    for t in itertools.chain(tensors, model.buffers(), model.parameters()):
+        if t.device.type != "cpu":
+            # On a simulated GPU the tensors are meta tensors, and autocast is CUDA's.
+            return "cuda" if t.device.type == "meta" else t.device.type
+    return "cpu"

@@ -38,13 +38,14 @@ from .checkpointing import find_blocks
 
 __all__ = ["StateOffload", "ZeRO", "fsdp_units"]
 
-# With offload the optimizer steps on the host: about 28 bytes per parameter
-# (fp32 param, grad, m, v in; param, m, v out), bound by the host's memory
-# bandwidth, which ranks on one host share. One rank using all cores of the
-# H200 host measured 11 GB/s (benchmarks/results/zero-1.md); under torchrun,
-# which sets OMP_NUM_THREADS=1 for each rank, two ranks reached half that.
+# With offload each rank steps AdamW on the host over its own shard: about 28
+# bytes per parameter (fp32 param, grad, m, v in; param, m, v out) at a rate
+# set by the host threads the rank has. The median over the 14 offload plans
+# of benchmarks/results/zero-{1,2}.md, one and two ranks with 16 threads each
+# on the H200 host (OMP_NUM_THREADS=16; torchrun sets 1 unless told), was
+# 22.6 GB/s a rank (17-29 GB/s), with the ranks' steps running side by side.
 _HOST_ADAM_BYTES_PER_PARAM = 28
-_HOST_BANDWIDTH = 11e9
+_HOST_ADAM_RATE = 22.6e9
 
 _STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
 # Phases in which FSDP holds gathered parameters. A checkpointed block's
@@ -157,7 +158,9 @@ class ZeRO(Strategy):
         else:
             how = (f"torch.distributed.fsdp.fully_shard(block, reshard_after_forward={self.stage == 3}"
                    + (", offload_policy=CPUOffloadPolicy()" if self.offload else "") + ") on each block, then on the model")
-        return (f"shard over {self.world_size} ranks (torchrun --nproc-per-node {self.world_size}) with {how} "
+        # The host's AdamW runs on the rank's threads: torchrun gives each one thread unless told.
+        threads = " and OMP_NUM_THREADS set to the host's cores per rank" if self.offload else ""
+        return (f"shard over {self.world_size} ranks (torchrun --nproc-per-node {self.world_size}{threads}) with {how} "
                 "(Lightning: strategy='fsdp'; Hugging Face: fsdp='full_shard')")
 
     def adjust(self, prediction: Prediction, baseline: Report, gpu) -> Prediction:
@@ -221,7 +224,7 @@ class ZeRO(Strategy):
             gathers = 2 if self.stage == 3 else 1
             shard = params / n
             seconds += (gathers + 1) * shard / gpu.pcie_bandwidth  # shards in, gradients out
-            seconds += params / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_BANDWIDTH  # every rank's shard, one host
+            seconds += shard / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_ADAM_RATE  # this rank's shard, its threads
         return seconds
 
 

@@ -10,7 +10,8 @@ from torch import nn
 import memprof
 from memprof.strategies import Autocast, Checkpointing, StateOffload, ZeRO, find_blocks
 from memprof.strategies.zero import _in_block, fsdp_units, optimizer_settings
-from memprof.workload import Workload
+from memprof.workload import Workload, _device_type
+from conftest import cuda
 from models import FF, MiB
 
 fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
@@ -143,3 +144,36 @@ def test_zero_arguments():
         ZeRO(1, 4, offload=True)
     with pytest.raises(ValueError, match="world size must be an integer >= 1, got True"):
         ZeRO(2, True)
+
+
+def test_autocast_follows_the_batch_not_offloaded_parameters():
+    # FSDP2's CPU offload keeps the parameters on the host while the step
+    # computes on the GPU: autocast is for the device of the batch (then of
+    # the buffers), the parameters' device only when nothing else says.
+    model = nn.Linear(4, 4)
+    assert _device_type(model, {"ids": [torch.empty(2, 4, device="meta")]}) == "cuda"
+    assert _device_type(model, torch.empty(2, 4)) == "cpu"
+    model.register_buffer("mask", torch.empty(1, device="meta"))
+    assert _device_type(model, (torch.empty(2, 4), 3)) == "cuda"
+    assert _device_type(model.to("meta"), None) == "cuda"
+
+
+@cuda
+@pytest.mark.cuda
+def test_state_offload_computes_in_bf16_on_the_gpu():
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[FF() for _ in range(3)]).cuda()
+        seen = []
+        model[1].fc1.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+        w = Workload(model, torch.optim.AdamW(model.parameters()), torch.randn(64, 256, device="cuda"),
+                     lambda m, x: m(x).float().square().mean())
+        for s in (Autocast("bf16"), StateOffload()):
+            s.apply(w)
+        w.step()
+        # The block's matmul ran under CUDA's autocast, its weights' shards kept on the host.
+        assert seen == [torch.bfloat16]
+        assert model[1].fc1.weight.device.type == "cpu"
+    finally:
+        dist.destroy_process_group()
