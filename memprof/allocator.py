@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -165,6 +167,53 @@ class DeviceCounters:
 
     def nvml_used(self) -> int | None:
         return nvml_used_bytes(self.device) if self.available else None
+
+    def workspaces(self, known: Callable[[], set[int]]) -> int:
+        """Bytes of cuBLAS's workspaces on this device: the allocator's live
+        blocks of exactly a cuBLAS (or cuBLASLt) workspace's size that no
+        storage at an address ``known()`` returns holds. PyTorch takes one such block
+        per cuBLAS handle and stream and never frees it
+        (aten/src/ATen/cuda/CublasHandlePool.cpp); a tensor of the same size
+        that memprof does not know would be counted too."""
+        if not self.available:
+            return 0
+        sizes, addresses = cublas_workspace_sizes(self._index), known()
+        total = 0
+        for segment in torch.cuda.memory_snapshot():
+            if segment.get("device", self._index) != self._index:
+                continue
+            for block in segment["blocks"]:
+                if (block["state"] == "active_allocated" and block.get("requested_size", block["size"]) in sizes
+                        and block["address"] not in addresses):
+                    total += block["size"]
+        return total
+
+
+def cublas_workspace_sizes(index: int) -> set[int]:
+    """The sizes of cuBLAS's and cuBLASLt's workspaces as this PyTorch sets
+    them: ``torch.backends.cuda.cublas_workspace_size()`` and its cuBLASLt
+    twin where the build has them, else cuBLAS's by PyTorch's own rule
+    (aten/src/ATen/cuda/CublasHandlePool.cpp): ``CUBLAS_WORKSPACE_CONFIG``,
+    ``:SIZE_KiB:COUNT`` pairs, by default ``:4096:8`` from Hopper on and
+    ``:4096:2:16:8`` before. (Such builds give cuBLASLt a workspace of its
+    own, 1 MiB by default: a size too common among tensors to name a block
+    by, so it stays with the temporaries there.)"""
+    from .simulate import cublas_workspace_bytes
+
+    sizes = set()
+    for name in ("_cuda_getCublasWorkspaceSize", "_cuda_getCublasLtWorkspaceSize"):
+        get = getattr(torch._C, name, None)
+        if get is not None:
+            sizes.add(int(get()))
+    if not sizes:
+        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
+        if pairs:
+            sizes.add(sum(int(kib) * 1024 * int(count) for kib, count in pairs))
+        elif not config:
+            sizes.add(cublas_workspace_bytes(torch.cuda.get_device_capability(index)))
+    sizes.discard(0)
+    return sizes
 
 
 def counters_for(device: torch.device):

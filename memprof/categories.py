@@ -23,6 +23,11 @@ class Category(str, Enum):
     #: during backward, often a large share of the backward peak.
     ACTIVATION_GRADIENTS = "activation_gradients"
     INPUTS = "inputs"
+    #: cuBLAS's workspaces: scratch memory PyTorch takes from its caching
+    #: allocator for each cuBLAS handle and stream (one per thread that runs
+    #: matrix products, e.g. autograd's backward thread) and keeps for the
+    #: process's life; no tensor holds it.
+    WORKSPACES = "workspaces"
     #: Allocated memory no other category claims: op workspaces, outputs that are
     #: not saved for backward, optimizer foreach temporaries, the loss.
     TEMPORARIES = "temporaries"
@@ -45,6 +50,7 @@ ALLOCATED: tuple[Category, ...] = (
     Category.ACTIVATIONS,
     Category.ACTIVATION_GRADIENTS,
     Category.INPUTS,
+    Category.WORKSPACES,
     Category.TEMPORARIES,
 )
 

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # One colour per category, the same in every chart of a page.
 _COLOURS = dict(zip(
     [c.value for c in (*ALLOCATED, Category.FRAGMENTATION)],
-    ["#4e79a7", "#76b7b2", "#f28e2b", "#e15759", "#59a14f", "#edc948", "#b07aa1", "#bab0ac", "#d9d9d9"],
+    ["#4e79a7", "#76b7b2", "#f28e2b", "#e15759", "#59a14f", "#edc948", "#b07aa1", "#9c755f", "#bab0ac", "#d9d9d9"],
 ))
 # The phase kinds shaded on the timeline: a band per run of samples of one kind.
 _BANDS = {

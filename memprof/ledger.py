@@ -71,6 +71,8 @@ class Ledger:
         self.totals: dict[Category, int] = defaultdict(int)
         self._journal: list[Category | str | int] | None = None
         self._on_free = self._forget
+        # Bytes of a category that no storage of ours holds (see set_fixed).
+        self._fixed: dict[Category, int] = {}
 
     def _change(self, category: Category, module: str, nbytes: int) -> None:
         self.totals[category] += nbytes
@@ -139,6 +141,27 @@ class Ledger:
             if self._journal is not None:
                 self._journal += (category, entry[1], -entry[3])
 
+    def set_fixed(self, category: Category, nbytes: int) -> None:
+        """Attribute ``nbytes`` to ``category`` without a storage (memory a
+        library holds, e.g. cuBLAS's workspaces), in place of the last such amount."""
+        delta = nbytes - self._fixed.get(category, 0)
+        if delta:
+            self._fixed[category] = nbytes
+            self._change(category, "", delta)
+
+    def fixed(self, category: Category) -> int:
+        """The bytes :meth:`set_fixed` attributes to ``category``."""
+        return self._fixed.get(category, 0)
+
+    def addresses(self) -> set[int]:
+        """The device addresses of the recorded storages that are still alive."""
+        out = set()
+        for key in list(self._entries):
+            storage = key()
+            if storage is not None:
+                out.add(storage.data_ptr())
+        return out
+
     def attributed(self) -> int:
         return sum(self.totals.values())
 
@@ -186,6 +209,8 @@ class Ledger:
         out: dict[tuple[str, Category], int] = defaultdict(int)
         for index, module, _, nbytes in list(self._entries.values()):
             out[(module, _CATEGORIES[index])] += nbytes
+        for category, nbytes in self._fixed.items():
+            out[("", category)] += nbytes
         journal = self._journal
         if mark is not None and journal is not None:
             for i in range(mark, len(journal), 3):  # undo what came after the mark
@@ -202,5 +227,6 @@ class Ledger:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._fixed.clear()
         self.totals.clear()
         self._journal = None

@@ -135,14 +135,15 @@ class TimeModel:
 _NO_KERNEL = {"detach", "alias", "view", "_unsafe_view", "empty", "empty_strided", "empty_like", "lift_fresh", "_to_copy_meta"}
 
 
-def cublas_workspace_bytes(gpu: GPU) -> int:
-    """cuBLAS's workspace, which PyTorch takes from its caching allocator once per handle.
+def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
+    """cuBLAS's workspace on a GPU of compute ``capability``, which PyTorch
+    takes from its caching allocator once per handle and stream.
 
     PyTorch's default CUBLAS_WORKSPACE_CONFIG is ``:4096:8`` on Hopper and
     newer (8 chunks of 4 MiB) and ``:4096:2:16:8`` before (2 of 4 MiB, 8 of
     16 KiB): aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize.
     """
-    if gpu.compute_capability >= (9, 0):
+    if tuple(capability) >= (9, 0):
         return 8 * 4096 * 1024
     return 2 * 4096 * 1024 + 8 * 16 * 1024
 
@@ -256,6 +257,10 @@ class SimulatedAllocator(TorchDispatchMode):
     def nvml_used(self) -> int:
         return self.model.reserved + NON_PYTORCH_BYTES
 
+    def workspaces(self, known: Callable[[], set[int]]) -> int:
+        """cuBLAS's workspace, once the first matrix product has taken it."""
+        return cublas_workspace_bytes(self.gpu.compute_capability) if self._workspace is not None else 0
+
     def empty_cache(self) -> None:
         self.model.empty_cache()
 
@@ -307,7 +312,7 @@ class SimulatedAllocator(TorchDispatchMode):
         out, cost = KERNELS.run(func, args, kwargs, _cost)
         if self._workspace is None and func.__name__.split(".")[0] in _MATMUL_OPS:
             # Taken at the first matrix product and kept for the process's life.
-            self._workspace = self._malloc(cublas_workspace_bytes(self.gpu))
+            self._workspace = self._malloc(cublas_workspace_bytes(self.gpu.compute_capability))
         made = [self._allocate(t.untyped_storage()) for t in tensors(out) if t.is_meta]
         if cost is None:  # the host's own work (a data pipeline): no simulated time
             return out

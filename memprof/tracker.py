@@ -202,6 +202,8 @@ class Tracker:
         self._clock = getattr(self._counters, "clock", time.perf_counter)
         # Allocator blocks are 512-byte multiples on CUDA, real or simulated.
         self._ledger = Ledger(block=512 if self._counters.available else 1)
+        # The bytes no storage claimed when cuBLAS's workspaces were last looked for.
+        self._unclaimed: int | None = None
         root = type(model).__name__
         self._root_name = root
         # module -> qualified name, prefixed by the root's class so names are
@@ -478,6 +480,8 @@ class Tracker:
         # hide the peak: every profiled step is a full one there.
         full = self._full = self._plan is None or self._always_full or not self._counters.available
         self._refresh_state(full)
+        if full:
+            self._find_workspaces()
         self._ledger.open_journal()
         self._fwd: list[_Span] = []
         self._bwd: dict[str, _Span] = {}
@@ -615,6 +619,20 @@ class Tracker:
             self._chains[module] = chain
         return chain
 
+    def _find_workspaces(self) -> None:
+        """Name cuBLAS's workspaces, which it takes at a thread's first matrix
+        product and keeps. Looking for them reads the allocator's every block
+        (tens of ms on a large model), so only when the bytes no storage
+        claims have changed since the last look (a new workspace changes them)."""
+        c = self._counters.read()
+        if c is None:
+            return
+        led = self._ledger
+        unclaimed = c.allocated - led.attributed() + led.fixed(Category.WORKSPACES)
+        if unclaimed != self._unclaimed:
+            self._unclaimed = unclaimed
+            led.set_fixed(Category.WORKSPACES, self._counters.workspaces(led.addresses))
+
     def _refresh_state(self, full: bool) -> None:
         """Record parameters, buffers, gradients and optimizer state that exist
         now. A full step looks for them in the model; a cheap one only
@@ -749,7 +767,7 @@ class Tracker:
             for span in self._bwd.values():
                 span.high = max(span.high, high)
             if len(self._rows) < _TIMELINE_ROWS_PER_STEP:
-                named_now = [totals.get(cat, 0) for cat in _NAMED]
+                named_now = _named(totals, alloc)
                 self._rows.append(
                     (self.step, len(self._rows), self._phase, alloc, high, reserved, *named_now, alloc - sum(named_now))
                 )
@@ -1197,10 +1215,25 @@ def _owner(root: str, qualified: str) -> str:
     return f"{root}.{prefix}" if prefix else root
 
 
+_WORKSPACES = _NAMED.index(Category.WORKSPACES)
+
+
+def _named(totals: dict[Category, int], allocated: int) -> list[int]:
+    """The named categories' bytes (in ``_NAMED``'s order) out of ``allocated``.
+    A block taken for one of cuBLAS's workspaces may be a tensor memprof
+    learns of later in the step (an optimizer met at its first step): the
+    workspaces give way rather than count it twice."""
+    named = [totals.get(c, 0) for c in _NAMED]
+    over = sum(named) - allocated
+    if over > 0:
+        named[_WORKSPACES] -= min(over, named[_WORKSPACES])
+    return named
+
+
 def _counts(totals: dict[Category, int], allocated: int, reserved: int | None) -> dict[str, int]:
     """A breakdown's bytes: the ledger's categories, the rest of ``allocated`` as
     temporaries, and what ``reserved`` holds beyond it (where known) as fragmentation."""
-    counts = {c.value: totals.get(c, 0) for c in _NAMED}
+    counts = dict(zip((c.value for c in _NAMED), _named(totals, allocated)))
     counts[Category.TEMPORARIES.value] = allocated - sum(counts.values())
     if reserved is not None:
         counts[Category.FRAGMENTATION.value] = max(reserved - allocated, 0)

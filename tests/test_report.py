@@ -91,7 +91,7 @@ def test_module_columns(report):
     m = report.modules
     assert m.columns.tolist() == [
         "type", "parameters", "buffers", "gradients", "optimizer_state", "activations", "activation_gradients",
-        "inputs", "activations_saved_over_step", "forward_peak_delta", "backward_peak_delta",
+        "inputs", "workspaces", "activations_saved_over_step", "forward_peak_delta", "backward_peak_delta",
     ]
     # The root row is the category table at the peak, category by category.
     for cat in memprof.report.MODULE_CATEGORIES:

@@ -194,3 +194,27 @@ def test_scripts_peak_readings_are_left_alone(every):
         tracked = _script_readings(step)
     assert tracked == untracked
     assert torch._C._cuda_memoryStats is allocator._STATS["_cuda_memoryStats"]  # torch's own binding again
+
+
+def test_cublas_workspaces_are_named():
+    """What the ``workspaces`` category names is what freeing cuBLAS's
+    workspaces gives back: the training thread's and autograd's, whatever
+    their number and size on this GPU and build. A build without the
+    workspace-size getters gives cuBLASLt a workspace of its own (1 MiB by
+    default), which memprof leaves with the temporaries there."""
+    torch._C._cuda_clearCublasWorkspaces()  # none yet: the first step takes them
+    model, opt, step = workload()
+    with memprof.track(model, opt, warmup=0, every=1) as prof:
+        steps = [step() or prof.last_peak for _ in range(3)]
+    before = torch.cuda.memory_allocated()
+    torch._C._cuda_clearCublasWorkspaces()
+    freed = before - torch.cuda.memory_allocated()
+    named = steps[-1].bytes["workspaces"]
+    assert steps[0].bytes["workspaces"] == 0  # taken during step 0: its temporaries
+    assert steps[1].bytes["workspaces"] == named
+    size = max(allocator.cublas_workspace_sizes(torch.cuda.current_device()))
+    assert named > 0 and named % size == 0, (named, size)
+    if hasattr(torch._C, "_cuda_getCublasLtWorkspaceSize"):
+        assert named == freed
+    else:
+        assert 0 <= freed - named < size and (freed - named) % (1 << 20) == 0, (freed, named)
