@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["Counters", "DeviceCounters", "KeptPeaks", "counters_for", "nvml_used_bytes"]
+__all__ = ["Counters", "DeviceCounters", "KeptPeaks", "counters_for", "cublas_workspace_bytes", "cublas_workspace_sizes", "nvml_used_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -189,29 +189,33 @@ class DeviceCounters:
         return total
 
 
+def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = None) -> int:
+    """The workspace PyTorch takes from its caching allocator for each cuBLAS
+    handle and stream, on a GPU of compute ``capability``: the sum of the
+    ``:SIZE_KiB:COUNT`` pairs of ``config`` (``CUBLAS_WORKSPACE_CONFIG``; no
+    pair gives none), by default ``:4096:8`` from Hopper on and
+    ``:4096:2:16:8`` before (aten/src/ATen/cuda/CublasHandlePool.cpp,
+    getChosenWorkspaceSize)."""
+    if config is None:
+        config = ":4096:8" if tuple(capability) >= (9, 0) else ":4096:2:16:8"
+    return sum(int(kib) * 1024 * int(count) for kib, count in re.findall(r":([0-9]+):([0-9]+)", config))
+
+
 def cublas_workspace_sizes(index: int) -> set[int]:
     """The sizes of cuBLAS's and cuBLASLt's workspaces as this PyTorch sets
     them: ``torch.backends.cuda.cublas_workspace_size()`` and its cuBLASLt
-    twin where the build has them, else cuBLAS's by PyTorch's own rule
-    (aten/src/ATen/cuda/CublasHandlePool.cpp): ``CUBLAS_WORKSPACE_CONFIG``,
-    ``:SIZE_KiB:COUNT`` pairs, by default ``:4096:8`` from Hopper on and
-    ``:4096:2:16:8`` before. (Such builds give cuBLASLt a workspace of its
-    own, 1 MiB by default: a size too common among tensors to name a block
-    by, so it stays with the temporaries there.)"""
-    from .simulate import cublas_workspace_bytes
-
+    twin where the build has them, else cuBLAS's by PyTorch's rule
+    (:func:`cublas_workspace_bytes`). (Such builds give cuBLASLt a workspace
+    of its own, 1 MiB by default: a size too common among tensors to name a
+    block by, so it stays with the temporaries there.)"""
     sizes = set()
     for name in ("_cuda_getCublasWorkspaceSize", "_cuda_getCublasLtWorkspaceSize"):
         get = getattr(torch._C, name, None)
         if get is not None:
             sizes.add(int(get()))
     if not sizes:
-        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-        pairs = re.findall(r":([0-9]+):([0-9]+)", config or "")
-        if pairs:
-            sizes.add(sum(int(kib) * 1024 * int(count) for kib, count in pairs))
-        elif not config:
-            sizes.add(cublas_workspace_bytes(torch.cuda.get_device_capability(index)))
+        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")  # the device matters only without it
+        sizes.add(cublas_workspace_bytes(torch.cuda.get_device_capability(index) if config is None else (0, 0), config))
     sizes.discard(0)
     return sizes
 

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from .allocator import Counters
+from .allocator import Counters, cublas_workspace_bytes
 from .aten_args import tensors
 from .caching import CachingAllocatorModel
 from .devices import GPU, get_gpu
@@ -39,7 +39,7 @@ from .report import Report
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
 
-__all__ = ["SimulatedAllocator", "TimeModel", "simulate", "cublas_workspace_bytes", "replay_step", "usable_bytes"]
+__all__ = ["SimulatedAllocator", "TimeModel", "simulate", "replay_step", "usable_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -133,19 +133,6 @@ class TimeModel:
 
 # Operators that launch no kernel: metadata only.
 _NO_KERNEL = {"detach", "alias", "view", "_unsafe_view", "empty", "empty_strided", "empty_like", "lift_fresh", "_to_copy_meta"}
-
-
-def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
-    """cuBLAS's workspace on a GPU of compute ``capability``, which PyTorch
-    takes from its caching allocator once per handle and stream.
-
-    PyTorch's default CUBLAS_WORKSPACE_CONFIG is ``:4096:8`` on Hopper and
-    newer (8 chunks of 4 MiB) and ``:4096:2:16:8`` before (2 of 4 MiB, 8 of
-    16 KiB): aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize.
-    """
-    if tuple(capability) >= (9, 0):
-        return 8 * 4096 * 1024
-    return 2 * 4096 * 1024 + 8 * 16 * 1024
 
 
 class SimulatedAllocator(TorchDispatchMode):

@@ -26,6 +26,8 @@ def test_workspace_sizes_follow_pytorchs_settings(rules):
     assert allocator.cublas_workspace_sizes(0) == {32 * MiB}  # Hopper's default
     rules.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
     assert allocator.cublas_workspace_sizes(0) == {8 * MiB + 128 * 1024}
+    rules.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # no workspace: nothing to look for
+    assert allocator.cublas_workspace_sizes(0) == set()
     for name, size in zip(_GETTERS, (16 * MiB, 4 * MiB)):  # a build that says: its word counts
         rules.setattr(torch._C, name, lambda size=size: size, raising=False)
     assert allocator.cublas_workspace_sizes(0) == {16 * MiB, 4 * MiB}

@@ -8,7 +8,7 @@ from torch import nn
 
 import memprof
 from memprof.autocast_policy import AutocastPolicy
-from memprof.simulate import cublas_workspace_bytes
+from memprof.allocator import cublas_workspace_bytes
 from memprof.sdpa import Environment, select_backend
 from memprof.virtual_cuda import VirtualCUDA
 from models import MiB, mlp, train
