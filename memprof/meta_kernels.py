@@ -32,6 +32,7 @@ Signature = tuple
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _UNCACHEABLE = object()
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _META = torch.device("meta")
 
 
@@ -51,8 +52,10 @@ def _cacheable_op(func) -> bool:
 
 def _arg_key(a: Any):
     if isinstance(a, torch.Tensor):
-        if a.device != _META:
-            return _UNCACHEABLE  # the host's own tensor: its values matter
+        if a.device != _META or type(a) not in _PLAIN_TENSORS:
+            # The host's own tensor (its values matter), or a subclass (a
+            # DTensor): a cached result would come back as a plain tensor.
+            return _UNCACHEABLE
         return (a.dtype, tuple(a.shape), a.stride())
     if isinstance(a, (list, tuple)):
         keys = tuple(_arg_key(x) for x in a)
@@ -131,7 +134,7 @@ def _layout(out: Any, inputs: set):
     def one(t: Any):
         nonlocal ok
         if isinstance(t, torch.Tensor):
-            if t.device != _META or t.storage_offset() != 0 or t.requires_grad:
+            if t.device != _META or type(t) is not torch.Tensor or t.storage_offset() != 0 or t.requires_grad:
                 ok = False
                 return None
             storage = t.untyped_storage()

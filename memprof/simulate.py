@@ -34,7 +34,7 @@ from .allocator import Counters, cublas_workspace_bytes
 from .aten_args import tensors
 from .caching import CachingAllocatorModel
 from .devices import GPU, get_gpu
-from .meta_kernels import KernelCache
+from .meta_kernels import _PLAIN_TENSORS, KernelCache
 from .report import Report
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
@@ -271,7 +271,8 @@ class SimulatedAllocator(TorchDispatchMode):
         """Count tensors that exist already (made before the simulation began)."""
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.is_meta:
-                self._allocate(t.untyped_storage())
+                for storage in _storages(t):
+                    self._allocate(storage)
 
     def _malloc(self, nbytes: int) -> int:
         handle = self.model.malloc(nbytes)
@@ -300,7 +301,7 @@ class SimulatedAllocator(TorchDispatchMode):
         if self._workspace is None and func.__name__.split(".")[0] in _MATMUL_OPS:
             # Taken at the first matrix product and kept for the process's life.
             self._workspace = self._malloc(cublas_workspace_bytes(self.gpu.compute_capability))
-        made = [self._allocate(t.untyped_storage()) for t in tensors(out) if t.is_meta]
+        made = [self._allocate(s) for t in tensors(out) if t.is_meta for s in _storages(t)]
         if cost is None:  # the host's own work (a data pipeline): no simulated time
             return out
         flops, nbytes, dtype, conv, kernel = cost
@@ -328,6 +329,21 @@ class SimulatedAllocator(TorchDispatchMode):
         if self.trace is not None:
             self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0), conv, backward, recompute, 1))
         return out
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages that hold ``t``'s memory. A wrapper subclass (a DTensor,
+    PyTorch's ``__tensor_flatten__`` protocol) holds none of its own: its
+    inner tensors do, made by operators the simulation does not see (the
+    subclass runs them while this mode is paused)."""
+    if type(t) in _PLAIN_TENSORS:
+        return [t.untyped_storage()]
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return [t.untyped_storage()]
+    names, _ = flatten()
+    inner = (getattr(t, name) for name in names)
+    return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
 
 
 def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> tuple[int, int, float] | None:

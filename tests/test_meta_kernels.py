@@ -65,3 +65,18 @@ def test_an_output_that_aliases_an_input_is_not_kept():
         v, _ = cache.run(aten._unsafe_view.default, (x, [4, 4, 64]), {}, _count)
         assert v.untyped_storage()._cdata == x.untyped_storage()._cdata
     assert cache.hits == 0
+
+
+def test_a_subclass_is_never_served_from_the_cache():
+    """A cached result is rebuilt as a plain meta tensor: for a subclass (a
+    DTensor) it would mix plain tensors into the subclass's operators."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.empty(4, 8, device="meta"), torch.empty(4, 8, device="meta")
+    cache = KernelCache()
+    mul = torch.ops.aten.mul.Tensor
+    assert cache.signature(mul, (a, b), {}) is not None
+    assert cache.signature(mul, (TwoTensor(a, b), b), {}) is None
+    for _ in range(2):
+        out, _ = cache.run(mul, (TwoTensor(a, b), 2), {}, lambda *args: None)
+        assert type(out) is TwoTensor

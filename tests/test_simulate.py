@@ -266,3 +266,26 @@ def test_bad_arguments():
         with pytest.raises(RuntimeError, match="already active"):
             with VirtualCUDA("h100"):
                 pass
+
+
+def test_a_wrapper_subclass_is_its_inner_tensors():
+    """A tensor subclass that wraps others (a DTensor, a quantized weight; here
+    PyTorch's TwoTensor) holds its inner tensors' memory, not a storage of its
+    own: each product of a TwoTensor of two 1 MiB tensors makes 2 MiB, and the
+    second product is a TwoTensor too (no cached plain result)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+    from memprof.virtual_cuda import VirtualCUDA
+
+    gpu = get_gpu("h100")
+    allocator = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=allocator):
+        t = TwoTensor(torch.empty(256, 1024, device="cuda"), torch.empty(256, 1024, device="cuda"))
+        before = allocator.read().allocated
+        outs = [t * 2 for _ in range(2)]
+        assert [type(o) for o in outs] == [TwoTensor, TwoTensor]
+        assert allocator.read().allocated - before == 4 * MiB
+        del outs
+        assert allocator.read().allocated == before
