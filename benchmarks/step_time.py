@@ -112,7 +112,7 @@ PARAMS = tuple(f.name for f in fields(TimeModel))
 
 
 def step_seconds(tr: np.ndarray, gpu, fe: float, be: float, per_kernel: float, host_forward: float,
-                 host_backward: float, host_convolution: float, host_recompute: float) -> float:
+                 host_backward: float, host_convolution: float, host_recompute: float, link: float) -> float:
     """TimeModel on a trace, vectorised. The host issues row j at the sum of
     the issue costs up to it; the device runs each kernel (or transfer) once
     issued and the previous one is done, so between two synchronisations (a
@@ -130,7 +130,7 @@ def step_seconds(tr: np.ndarray, gpu, fe: float, be: float, per_kernel: float, h
     rates = np.array([gpu.fp32_tflops, gpu.tf32_tflops or gpu.bf16_tflops / 2, gpu.bf16_tflops]) * 1e12 * fe
     kernel, transfer = kind >= 0, kind <= -2
     roof = np.maximum(flops / rates[np.clip(kind, 0, 2).astype(int)], nbytes / (gpu.memory_bandwidth * be)) + per_kernel
-    dev = np.where(kernel, roof, np.where(transfer, nbytes / gpu.pcie_bandwidth, 0.0))
+    dev = np.where(kernel, roof, np.where(transfer, nbytes / (gpu.pcie_bandwidth * link), 0.0))
     n = len(tr)
     ends = np.flatnonzero(kind == -3)
     starts = np.unique(np.concatenate([[0], ends[ends + 1 < n] + 1]))
@@ -196,7 +196,7 @@ def fit(out: Path) -> None:
         return statistics.mean(abs(e) for e in errors(params, "fit"))
 
     shipped = list(astuple(TimeModel()))  # the constants memprof has now
-    best = [float(v) for v in _descend(score, shipped, bounded=(0, 1))]
+    best = [float(v) for v in _descend(score, shipped, bounded=(0, 1, PARAMS.index("link_efficiency")))]
     rows = []
     for (which, name, plan), (tr, sec) in traces.items():
         new, now = step_seconds(tr, gpu, *best), step_seconds(tr, gpu, *shipped)

@@ -75,30 +75,33 @@ class TimeModel:
     dtype's tensor-core rate and its bytes (inputs read once, outputs written
     once) at memory bandwidth, each at an achievable fraction of the
     datasheet, plus a fixed gap per kernel (``per_kernel``). A copy between
-    host and device runs in stream order at the link's rate; one that the host
-    waits for (``SimulatedAllocator.transfer(synchronize=True)``) brings the
-    two clocks together. A step ends when both are done (``verify`` times
+    host and device runs in stream order at the link's achieved rate; one
+    that the host waits for (``SimulatedAllocator.transfer(synchronize=True)``)
+    brings the two clocks together. A step ends when both are done (``verify`` times
     steps between synchronisations, ``memprof.track`` between CUDA events at
     a profiled step's ends: the device's span of it). So a step of large
     kernels costs their rooflines, and a step of small ones (small
     micro-batches, recomputation) costs what the host needs to issue them.
 
     Constants fitted to 78 plans of 5 workloads measured on an H200 (median
-    |error| 6.0 %, was 10.7 % without the recomputation and offload terms)
-    and checked on 68 plans of 4 others it never saw (10.6 %, was 15.9 %):
-    benchmarks/results/step-time.md. The worst errors (about 60 %) are
-    host-bound steps: what the host spends per operator differs by model
+    |error| 4.9 %, was 10.7 % without the recomputation, offload and link
+    terms) and checked on 68 plans of 4 others it never saw (8.9 %, was
+    15.9 %): benchmarks/results/step-time.md. The worst errors (about 60 %)
+    are host-bound steps: what the host spends per operator differs by model
     (at most 13 µs for a Llama's, 20-25 µs for GPT-2's), which one
-    constant per phase cannot follow. Copies run at the link's nominal rate,
-    which offload's measured steps reach about 0.8 of."""
+    constant per phase cannot follow. Copies reach ``link_efficiency`` of
+    the link's nominal rate."""
 
-    flop_efficiency: float = 0.71
-    bandwidth_efficiency: float = 0.51
-    per_kernel: float = 8e-6
-    host_forward: float = 23.9e-6
-    host_backward: float = 17.3e-6
+    flop_efficiency: float = 0.74
+    bandwidth_efficiency: float = 0.52
+    per_kernel: float = 9.6e-6
+    host_forward: float = 23.4e-6
+    host_backward: float = 17.7e-6
     host_convolution: float = 144e-6
-    host_recompute: float = 38.3e-6
+    host_recompute: float = 37.7e-6
+    #: The share of the link's nominal rate a copy between the device and
+    #: pinned host memory reaches (PCIe's packet and protocol overhead).
+    link_efficiency: float = 0.82
 
     def host_seconds(self, convolution: bool, backward: bool, recompute: bool = False) -> float:
         """The host's time to issue one operator: ``backward`` when autograd's
@@ -202,7 +205,7 @@ class SimulatedAllocator(TorchDispatchMode):
         backward = torch._C._current_graph_task_id() != -1
         recompute = backward and torch.is_grad_enabled()
         host = host_ops * self.time_model.host_seconds(False, backward, recompute)
-        seconds = nbytes / bandwidth
+        seconds = nbytes / (bandwidth * self.time_model.link_efficiency)
         self.host += host
         self.device = max(self.device, self.host) + seconds
         if synchronize:

@@ -31,6 +31,7 @@ from torch import nn
 
 from memprof.categories import Category
 from memprof.report import Phase, Report, phase_kind, phase_module
+from memprof.simulate import TimeModel
 from memprof.workload import Workload
 
 from .base import Door, Prediction, Strategy
@@ -223,7 +224,8 @@ class ZeRO(Strategy):
         if self.offload:
             gathers = 2 if self.stage == 3 else 1
             shard = params / n
-            seconds += (gathers + 1) * shard / gpu.pcie_bandwidth  # shards in, gradients out
+            link = gpu.pcie_bandwidth * TimeModel.link_efficiency
+            seconds += (gathers + 1) * shard / link  # shards in, gradients out
             seconds += shard / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_ADAM_RATE  # this rank's shard, its threads
         return seconds
 
