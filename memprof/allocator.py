@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["Counters", "DeviceCounters", "KeptPeaks", "counters_for", "cublas_workspace_bytes", "cublas_workspace_sizes", "nvml_used_bytes"]
+__all__ = ["Counters", "DeviceCounters", "KeptPeaks", "counters_for", "cublas_workspace_bytes", "cublas_workspace_size", "nvml_used_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -170,20 +170,21 @@ class DeviceCounters:
 
     def workspaces(self, known: Callable[[], set[int]]) -> int:
         """Bytes of cuBLAS's workspaces on this device: the allocator's live
-        blocks of exactly a cuBLAS (or cuBLASLt) workspace's size that no
-        storage at an address ``known()`` returns holds. PyTorch takes one such block
-        per cuBLAS handle and stream and never frees it
+        blocks of exactly a workspace's size that no storage at an address
+        ``known()`` returns holds. PyTorch takes one such block per cuBLAS
+        handle and stream and never frees it
         (aten/src/ATen/cuda/CublasHandlePool.cpp); a tensor of the same size
         that memprof does not know would be counted too."""
-        if not self.available:
+        size = cublas_workspace_size(self._index) if self.available else 0
+        if not size:
             return 0
-        sizes, addresses = cublas_workspace_sizes(self._index), known()
+        addresses = known()
         total = 0
         for segment in torch.cuda.memory_snapshot():
             if segment.get("device", self._index) != self._index:
                 continue
             for block in segment["blocks"]:
-                if (block["state"] == "active_allocated" and block.get("requested_size", block["size"]) in sizes
+                if (block["state"] == "active_allocated" and block.get("requested_size", block["size"]) == size
                         and block["address"] not in addresses):
                     total += block["size"]
         return total
@@ -201,23 +202,18 @@ def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = Non
     return sum(int(kib) * 1024 * int(count) for kib, count in re.findall(r":([0-9]+):([0-9]+)", config))
 
 
-def cublas_workspace_sizes(index: int) -> set[int]:
-    """The sizes of cuBLAS's and cuBLASLt's workspaces as this PyTorch sets
-    them: ``torch.backends.cuda.cublas_workspace_size()`` and its cuBLASLt
-    twin where the build has them, else cuBLAS's by PyTorch's rule
-    (:func:`cublas_workspace_bytes`). (Such builds give cuBLASLt a workspace
-    of its own, 1 MiB by default: a size too common among tensors to name a
-    block by, so it stays with the temporaries there.)"""
-    sizes = set()
-    for name in ("_cuda_getCublasWorkspaceSize", "_cuda_getCublasLtWorkspaceSize"):
-        get = getattr(torch._C, name, None)
-        if get is not None:
-            sizes.add(int(get()))
-    if not sizes:
-        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")  # the device matters only without it
-        sizes.add(cublas_workspace_bytes(torch.cuda.get_device_capability(index) if config is None else (0, 0), config))
-    sizes.discard(0)
-    return sizes
+def cublas_workspace_size(index: int) -> int:
+    """The workspace PyTorch gives each cuBLAS handle and stream on device
+    ``index``: ``torch.backends.cuda.cublas_workspace_size()`` where the build
+    has it, else PyTorch's rule (:func:`cublas_workspace_bytes`). cuBLASLt
+    shares it, or (builds before that getter) has one of its own, 1 MiB by
+    default: a size too common among tensors to name a block by, so that one
+    stays with the temporaries."""
+    get = getattr(torch._C, "_cuda_getCublasWorkspaceSize", None)
+    if get is not None:
+        return int(get())
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")  # the device matters only without it
+    return cublas_workspace_bytes(torch.cuda.get_device_capability(index) if config is None else (0, 0), config)
 
 
 def counters_for(device: torch.device):

@@ -7,30 +7,28 @@ import torch
 from memprof import allocator
 
 MiB = 1 << 20
-_GETTERS = ("_cuda_getCublasWorkspaceSize", "_cuda_getCublasLtWorkspaceSize")
 
 
 @pytest.fixture
 def rules(monkeypatch):
-    """A PyTorch without the workspace-size getters: the sizes come from its rules."""
-    for name in _GETTERS:
-        monkeypatch.delattr(torch._C, name, raising=False)
+    """A PyTorch without the workspace-size getter: the size comes from its rule."""
+    monkeypatch.delattr(torch._C, "_cuda_getCublasWorkspaceSize", raising=False)
     return monkeypatch
 
 
 def test_workspace_sizes_follow_pytorchs_settings(rules):
     rules.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
-    assert allocator.cublas_workspace_sizes(0) == {4096 * 1024 * 2 + 16 * 1024 * 8}
+    assert allocator.cublas_workspace_size(0) == 4096 * 1024 * 2 + 16 * 1024 * 8
     rules.delenv("CUBLAS_WORKSPACE_CONFIG")
     rules.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
-    assert allocator.cublas_workspace_sizes(0) == {32 * MiB}  # Hopper's default
+    assert allocator.cublas_workspace_size(0) == 32 * MiB  # Hopper's default
     rules.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
-    assert allocator.cublas_workspace_sizes(0) == {8 * MiB + 128 * 1024}
+    assert allocator.cublas_workspace_size(0) == 8 * MiB + 128 * 1024
     rules.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # no workspace: nothing to look for
-    assert allocator.cublas_workspace_sizes(0) == set()
-    for name, size in zip(_GETTERS, (16 * MiB, 4 * MiB)):  # a build that says: its word counts
-        rules.setattr(torch._C, name, lambda size=size: size, raising=False)
-    assert allocator.cublas_workspace_sizes(0) == {16 * MiB, 4 * MiB}
+    assert allocator.cublas_workspace_size(0) == 0
+    assert allocator.DeviceCounters(torch.device("cuda", 0)).workspaces(lambda: set()) == 0
+    rules.setattr(torch._C, "_cuda_getCublasWorkspaceSize", lambda: 16 * MiB, raising=False)  # a build that says
+    assert allocator.cublas_workspace_size(0) == 16 * MiB
 
 
 def test_workspaces_are_live_blocks_of_their_size_no_known_storage_holds(rules):
