@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from typing import Any
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -17,23 +18,32 @@ from .base import Door, Strategy
 __all__ = ["Checkpointing", "find_blocks"]
 
 
+def _shape(module: nn.Module):
+    """What makes two modules the same block: the class, and for a container
+    (``nn.Sequential``, ``nn.ModuleList``) its children's shapes in order."""
+    if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return type(module), tuple(_shape(c) for c in module)
+    return type(module)
+
+
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks: children of ModuleLists/Sequentials whose
-    children share one class (transformer layers, ResNet bottlenecks), of the
-    class with the most such instances."""
-    candidates: list[tuple[str, nn.Module]] = []
+    children are all the same block (transformer layers, ResNet bottlenecks,
+    ``nn.Sequential(conv, norm, act)`` stacks) and hold parameters, of the
+    block with the most such instances."""
+    candidates: list[tuple[str, nn.Module, Any]] = []
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
-            kinds = {type(c) for c in module}
-            if len(kinds) == 1 and not isinstance(module[0], (nn.ModuleList, nn.Sequential)) and any(
-                True for _ in module[0].parameters()
-            ):
+            shapes = {_shape(c) for c in module}
+            # A ModuleList has no forward of its own to checkpoint.
+            if len(shapes) == 1 and not isinstance(module[0], nn.ModuleList) and any(True for _ in module[0].parameters()):
                 prefix = f"{name}." if name else ""
-                candidates += [(f"{prefix}{i}", c) for i, c in module.named_children()]
+                shape = shapes.pop()
+                candidates += [(f"{prefix}{i}", c, shape) for i, c in module.named_children()]
     if not candidates:
         return []
-    top, _ = Counter(type(m) for _, m in candidates).most_common(1)[0]
-    return [(n, m) for n, m in candidates if type(m) is top]
+    top, _ = Counter(shape for _, _, shape in candidates).most_common(1)[0]
+    return [(n, m) for n, m, shape in candidates if shape == top]
 
 
 # Selective checkpointing keeps the outputs of the expensive ops (matmuls,

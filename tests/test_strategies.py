@@ -149,6 +149,21 @@ def test_find_blocks_resnet_sequential():
     assert find_blocks(model)[2][1] is model[4][0]
 
 
+def test_find_blocks_sequential_blocks():
+    # A list of identical nn.Sequential(conv, norm, act) blocks: each one is a block.
+    def block():
+        return nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.SiLU())
+
+    model = nn.Module()
+    model.stem = block()
+    model.blocks = nn.ModuleList([block() for _ in range(3)])
+    model.heads = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Sequential(nn.Linear(8, 4))])
+    assert [n for n, _ in find_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+    # Lists of lists are no blocks (a ModuleList has no forward): their members are.
+    nested = nn.ModuleList([nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]) for _ in range(3)])
+    assert [n for n, _ in find_blocks(nested)] == [f"{i}.{j}" for i in range(3) for j in range(2)]
+
+
 def test_find_blocks_none_in_plain_mlp():
     # Linear, ReLU, Linear: not one class, and ReLU-only lists have no parameters.
     assert find_blocks(mlp()) == []
