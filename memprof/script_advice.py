@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import pandas as pd
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from .advisor import Advice, PlanFactory, _adjusted, _progress, _step_view, default_plans, parse_budget, plan_table, rank
@@ -50,17 +51,23 @@ log = logging.getLogger(__name__)
 
 
 def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.Optimizer, simulated: bool,
-                    stack: ExitStack) -> Workload:
+                    stack: ExitStack, facts: "ScriptFacts | None" = None) -> Workload:
     """Apply ``strategies`` to a script's ``model`` until ``stack`` closes.
 
     They change a :class:`Workload` around the model as they would any
     workload; what they set there is then bound to the model's forward.
+    Accumulation over K micro-batches runs 1/K of the batch: the batch's
+    tensors (of the model's batch size, ``facts``) are cut as they reach the
+    device or are made there, and what the model is given still whole.
     """
     w = Workload(model, optimizer, batch=None, loss_fn=None)
     stack.enter_context(w.plan(strategies, simulated=simulated))
     forward = model.forward
     if w.micro_batches > 1:
-        forward = _micro_batch(w.micro_batches, forward)
+        batch = facts.batch_size if facts is not None else None
+        cut = _MicroBatchCut(w.micro_batches, batch, facts.micro_batches if facts is not None else 1)
+        stack.enter_context(cut)
+        forward = cut.wrap(forward)
     if w.saved_tensors_hooks is not None:
         forward = _under(w.saved_tensors_hooks, forward)
     if w.autocast_dtype is not None:
@@ -79,19 +86,76 @@ def _under(make_context, fn):
     return wrapped
 
 
-def _micro_batch(k: int, fn):
-    """``fn`` on 1/k of every batch-sized tensor argument (first dimension divisible by k)."""
+# How a script's batch reaches the device: copied from the host, or made there.
+_TO_DEVICE = {torch.Tensor.to, torch.Tensor.cuda}
+_FACTORIES = {torch.randn, torch.rand, torch.randint, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange}
+_CUT_AT = _TO_DEVICE | _FACTORIES
 
-    def cut(t: Any) -> Any:
+
+class _MicroBatchCut(TorchFunctionMode):
+    """1/k of the batch, for a step of k micro-batches run as one of them.
+
+    Outside the model's forward, a tensor of the batch's size (``batch``
+    samples, or ``batch * steps`` where the script splits a larger batch
+    itself) that is copied to the device or made there is cut to its first
+    1/k: inputs and the targets a loss outside the model compares them with
+    alike. The model's forward cuts what it is given that is still whole
+    (data made on the device before the plan began). Inside the forward
+    nothing else is cut: the model's own tensors of that size (positions
+    when the sequence is as long as the batch) are not samples."""
+
+    def __init__(self, k: int, batch: int | None, steps: int = 1) -> None:
+        super().__init__()
+        self.k = k
+        self.batch = batch
+        self.sizes = {n for n in (batch, batch * steps if batch else None) if n and n % k == 0}
+        self._in_model = 0
+
+    def _cut(self, t: Any, device_only: bool = True) -> Any:
+        if (isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] in self.sizes
+                and not (device_only and t.device.type == "cpu")):
+            return t[: t.shape[0] // self.k]
+        return t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._in_model or func not in _CUT_AT:  # the model's operators: as fast as can be
+            return out
+        if func in _TO_DEVICE and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+            if self._cut(out) is not out:  # copied whole to the device: copy the part instead
+                return func(args[0][: args[0].shape[0] // self.k], *args[1:], **kwargs)
+        elif func in _FACTORIES:
+            part = self._cut(out)
+            if part is not out:
+                return part.clone()  # its own storage, of the part's size
+        return out
+
+    def wrap(self, fn):
+        """``fn`` (the model's forward) on 1/k of each argument still of the batch's size."""
+        cut = self._cut if self.batch else _divisible(self.k)
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            args, kwargs = tree_map(lambda t: cut(t, device_only=False), (args, kwargs))
+            self._in_model += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._in_model -= 1
+
+        return wrapped
+
+
+def _divisible(k: int):
+    """Without a known batch size: every tensor whose first dimension k divides."""
+
+    def cut(t: Any, device_only: bool = False) -> Any:
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] >= k and t.shape[0] % k == 0:
             return t[: t.shape[0] // k]
         return t
 
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        return fn(*tree_map(cut, args), **tree_map(cut, kwargs))
-
-    return wrapped
+    return cut
 
 
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
@@ -385,7 +449,7 @@ class _Schedule:
                 self._advance(name)
         for name in self.pending():
             try:
-                apply_to_script(self.plans[name], self.model, self.opt, self.simulated, self._stack)
+                apply_to_script(self.plans[name], self.model, self.opt, self.simulated, self._stack, self.facts)
             except Exception as exc:  # e.g. no repeated blocks to checkpoint
                 self._stack.close()
                 self.failed[name] = f"{type(exc).__name__}: {exc}"
@@ -512,7 +576,7 @@ def verify_script(advice: ScriptAdvice, args: Sequence[str] = (), *, top: int = 
         stack = ExitStack()
 
         def on_model(model, opt, plan=advice.plans[name]()):
-            apply_to_script(plan, model, opt, False, stack)
+            apply_to_script(plan, model, opt, False, stack, advice.facts)
             torch.cuda.empty_cache()
 
         try:
