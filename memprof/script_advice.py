@@ -425,10 +425,10 @@ class _Schedule:
             return
         failing = [name]
         if _micro_batches(self.plans[name]) > 1:
-            # The model saw 1/K of each batch-sized input; a loss computed outside it against the
-            # whole batch cannot follow, and would not in the plans with accumulation still to run.
-            message += (" (memprof runs 1/K of each batch-sized input through the model to simulate K "
-                        "micro-batches, and the script's step could not follow)")
+            # The step saw 1/K of its batch where memprof could cut it (see _MicroBatchCut); what it
+            # could not (a batch of another size, made another way) fails the other accumulation plans alike.
+            message += (" (memprof runs 1/K of the batch to simulate K micro-batches, cutting its tensors where "
+                        "they reach the device, and the script's step could not follow)")
             failing += [p for p in self.pending() if p != name and _micro_batches(self.plans[p]) > 1]
         for plan in failing:
             self.failed[plan] = message

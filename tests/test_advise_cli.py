@@ -239,3 +239,26 @@ def test_verified_plans_show_their_step_time_error():
     lines = [line.split() for line in console.export_text().splitlines()]
     assert ["accum2", "3.00", "GiB", "3.50", "GiB", "110.0", "ms", "100.0", "ms", "+10", "%", "yes"] in lines
     assert ["ckpt", "OutOfMemoryError:", "CUDA", "out", "of", "memory.", "no"] in lines
+
+
+def test_accumulation_that_cannot_follow_says_so(tmp_path):
+    # The targets come from a Python list (torch.tensor, not a batch memprof cuts):
+    # a loss outside the model cannot take 1/K of the inputs against them.
+    script = tmp_path / "listed_targets.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)).cuda()\n"
+        "opt = torch.optim.AdamW(model.parameters())\n"
+        "for step in range(6):\n"
+        "    x = torch.randn(32, 64, device='cuda')\n"
+        "    y = torch.tensor([i % 4 for i in range(32)], device='cuda')\n"
+        "    torch.nn.functional.cross_entropy(model(x), y).backward()\n"
+        "    opt.step(); opt.zero_grad()\n"
+    )
+    out = tmp_path / "advice.json"
+    r = memprof("advise", script, "--budget", "24GiB", "--json", out)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert {"accum2", "accum4", "accum8"} <= set(data["failed"])
+    assert "cutting its tensors where they reach the device" in data["failed"]["accum2"]
+    assert "Expected input batch_size (16) to match target batch_size (32)" in data["failed"]["accum2"]
