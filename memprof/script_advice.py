@@ -88,7 +88,9 @@ def _under(make_context, fn):
 
 # How a script's batch reaches the device: copied from the host, or made there.
 _TO_DEVICE = {torch.Tensor.to, torch.Tensor.cuda}
-_FACTORIES = {torch.randn, torch.rand, torch.randint, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange}
+_FACTORIES = {torch.randn, torch.rand, torch.randint, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
+              torch.tensor, torch.as_tensor, torch.Tensor.new_tensor, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+              torch.Tensor.new_empty, torch.Tensor.new_full}
 _CUT_AT = _TO_DEVICE | _FACTORIES
 
 

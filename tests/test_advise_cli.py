@@ -241,9 +241,7 @@ def test_verified_plans_show_their_step_time_error():
     assert ["ckpt", "OutOfMemoryError:", "CUDA", "out", "of", "memory.", "no"] in lines
 
 
-def test_accumulation_that_cannot_follow_says_so(tmp_path):
-    # The targets come from a Python list (torch.tensor, not a batch memprof cuts):
-    # a loss outside the model cannot take 1/K of the inputs against them.
+def test_accumulation_cuts_targets_from_a_python_list(tmp_path):
     script = tmp_path / "listed_targets.py"
     script.write_text(
         "import torch\n"
@@ -252,6 +250,29 @@ def test_accumulation_that_cannot_follow_says_so(tmp_path):
         "for step in range(6):\n"
         "    x = torch.randn(32, 64, device='cuda')\n"
         "    y = torch.tensor([i % 4 for i in range(32)], device='cuda')\n"
+        "    torch.nn.functional.cross_entropy(model(x), y).backward()\n"
+        "    opt.step(); opt.zero_grad()\n"
+    )
+    out = tmp_path / "advice.json"
+    r = memprof("advise", script, "--budget", "24GiB", "--json", out)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert all("ckpt" in name for name in data["failed"]), data["failed"]  # no repeated blocks, only that
+    assert {"accum2", "accum4", "accum8"} <= {p["plan"] for p in data["plans"]}
+
+
+def test_accumulation_that_cannot_follow_says_so(tmp_path):
+    # The targets are put together from two halves (torch.cat, not a batch memprof
+    # cuts): a loss outside the model cannot take 1/K of the inputs against them.
+    script = tmp_path / "listed_targets.py"
+    script.write_text(
+        "import torch\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)).cuda()\n"
+        "opt = torch.optim.AdamW(model.parameters())\n"
+        "for step in range(6):\n"
+        "    x = torch.randn(32, 64, device='cuda')\n"
+        "    halves = [torch.full((16,), i, dtype=torch.long, device='cuda') for i in (0, 1)]\n"
+        "    y = torch.cat(halves)\n"
         "    torch.nn.functional.cross_entropy(model(x), y).backward()\n"
         "    opt.step(); opt.zero_grad()\n"
     )
