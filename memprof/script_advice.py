@@ -58,7 +58,8 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
     workload; what they set there is then bound to the model's forward.
     Accumulation over K micro-batches runs 1/K of the batch: the batch's
     tensors (of the model's batch size, ``facts``) are cut as they reach the
-    device or are made there, and what the model is given still whole.
+    device or are made there, and the model's forward cuts what it is still
+    given whole.
     """
     w = Workload(model, optimizer, batch=None, loss_fn=None)
     stack.enter_context(w.plan(strategies, simulated=simulated))
@@ -98,19 +99,19 @@ class _MicroBatchCut(TorchFunctionMode):
     """1/k of the batch, for a step of k micro-batches run as one of them.
 
     Outside the model's forward, a tensor of the batch's size (``batch``
-    samples, or ``batch * steps`` where the script splits a larger batch
-    itself) that is copied to the device or made there is cut to its first
+    samples, or ``batch * script_micro_batches`` where the script splits a
+    larger batch itself) that is copied to the device or made there is cut to its first
     1/k: inputs and the targets a loss outside the model compares them with
     alike. The model's forward cuts what it is given that is still whole
     (data made on the device before the plan began). Inside the forward
     nothing else is cut: the model's own tensors of that size (positions
     when the sequence is as long as the batch) are not samples."""
 
-    def __init__(self, k: int, batch: int | None, steps: int = 1) -> None:
+    def __init__(self, k: int, batch: int | None, script_micro_batches: int = 1) -> None:
         super().__init__()
         self.k = k
         self.batch = batch
-        self.sizes = {n for n in (batch, batch * steps if batch else None) if n and n % k == 0}
+        self.sizes = {n for n in (batch, batch * script_micro_batches if batch else None) if n and n % k == 0}
         self._in_model = 0
 
     def _cut(self, t: Any, device_only: bool = True) -> Any:

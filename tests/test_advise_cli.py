@@ -241,22 +241,28 @@ def test_verified_plans_show_their_step_time_error():
     assert ["ckpt", "OutOfMemoryError:", "CUDA", "out", "of", "memory.", "no"] in lines
 
 
-def test_accumulation_cuts_targets_from_a_python_list(tmp_path):
-    script = tmp_path / "listed_targets.py"
-    script.write_text(
-        "import torch\n"
-        "model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)).cuda()\n"
-        "opt = torch.optim.AdamW(model.parameters())\n"
-        "for step in range(6):\n"
-        "    x = torch.randn(32, 64, device='cuda')\n"
-        "    y = torch.tensor([i % 4 for i in range(32)], device='cuda')\n"
-        "    torch.nn.functional.cross_entropy(model(x), y).backward()\n"
-        "    opt.step(); opt.zero_grad()\n"
-    )
+def _advise_with_targets(tmp_path, *targets: str) -> dict:
+    """``memprof advise`` on a classifier whose loss, outside the model, compares
+    its output with targets made by the ``targets`` lines (ending in ``y = ...``)."""
+    script = tmp_path / "targets.py"
+    script.write_text("\n".join([
+        "import torch",
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)).cuda()",
+        "opt = torch.optim.AdamW(model.parameters())",
+        "for step in range(6):",
+        "    x = torch.randn(32, 64, device='cuda')",
+        *(f"    {line}" for line in targets),
+        "    torch.nn.functional.cross_entropy(model(x), y).backward()",
+        "    opt.step(); opt.zero_grad()",
+    ]) + "\n")
     out = tmp_path / "advice.json"
     r = memprof("advise", script, "--budget", "24GiB", "--json", out)
     assert r.returncode == 0, r.stderr
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_accumulation_cuts_targets_from_a_python_list(tmp_path):
+    data = _advise_with_targets(tmp_path, "y = torch.tensor([i % 4 for i in range(32)], device='cuda')")
     assert all("ckpt" in name for name in data["failed"]), data["failed"]  # no repeated blocks, only that
     assert {"accum2", "accum4", "accum8"} <= {p["plan"] for p in data["plans"]}
 
@@ -264,22 +270,82 @@ def test_accumulation_cuts_targets_from_a_python_list(tmp_path):
 def test_accumulation_that_cannot_follow_says_so(tmp_path):
     # The targets are put together from two halves (torch.cat, not a batch memprof
     # cuts): a loss outside the model cannot take 1/K of the inputs against them.
-    script = tmp_path / "listed_targets.py"
-    script.write_text(
-        "import torch\n"
-        "model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)).cuda()\n"
-        "opt = torch.optim.AdamW(model.parameters())\n"
-        "for step in range(6):\n"
-        "    x = torch.randn(32, 64, device='cuda')\n"
-        "    halves = [torch.full((16,), i, dtype=torch.long, device='cuda') for i in (0, 1)]\n"
-        "    y = torch.cat(halves)\n"
-        "    torch.nn.functional.cross_entropy(model(x), y).backward()\n"
-        "    opt.step(); opt.zero_grad()\n"
-    )
+    data = _advise_with_targets(
+        tmp_path, "halves = [torch.full((16,), i, dtype=torch.long, device='cuda') for i in (0, 1)]",
+        "y = torch.cat(halves)")
+    assert {"accum2", "accum4", "accum8"} <= set(data["failed"])
+    assert "cutting its tensors where they reach the device" in data["failed"]["accum2"]
+    assert "Expected input batch_size (16) to match target batch_size (32)" in data["failed"]["accum2"]
+
+
+def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
+    import torch
+
+    from memprof.script_advice import _MicroBatchCut
+
+    seen = []
+    cut = _MicroBatchCut(2, batch=8, script_micro_batches=3)
+    forward = cut.wrap(lambda x, n: seen.append((tuple(x.shape), tuple(torch.arange(n, device="meta").shape))))
+    with cut:
+        assert cut.sizes == {8, 24}
+        assert torch.ones(8, 5).to("meta").shape == (4, 5)  # copied to the device: half of it
+        assert torch.ones(24).to("meta").shape == (12,)  # a batch the script splits in 3 itself
+        assert torch.randint(0, 9, (8,), device="meta").shape == (4,)  # made there
+        assert torch.ones(8).shape == (8,)  # on the host: not yet the batch
+        assert torch.ones(6, 8, device="meta").shape == (6, 8)  # not of the batch's size
+        forward(torch.ones(8, 2, device="meta"), 8)  # given whole: cut; the model's own tensors: not
+        forward(torch.ones(4, 2, device="meta"), 8)
+    assert seen == [((4, 2), (8,)), ((4, 2), (8,))]
+
+
+CLASSIFIER = """\
+import torch, torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.SiLU())
+                                     for _ in range(4)])
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x.mean((2, 3)))
+
+model = Net().cuda().to(memory_format=torch.channels_last)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+scaler = torch.cuda.amp.GradScaler()
+loader = DataLoader(TensorDataset(torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))), batch_size=32,
+                    pin_memory=True, drop_last=True)
+for x, y in loader:
+    x, y = x.cuda(non_blocking=True), y.cuda(non_blocking=True)
+    with torch.cuda.amp.autocast():
+        loss = nn.functional.cross_entropy(model(x), y, label_smoothing=0.1)
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+"""
+
+
+def test_a_classifier_gets_checkpointing_and_accumulation(tmp_path):
+    """A classifier written the common way: blocks that are nn.Sequential(conv,
+    norm, act) in a ModuleList, batches from a DataLoader copied to the GPU, the
+    loss outside the model against the targets."""
+    script = tmp_path / "classifier.py"
+    script.write_text(CLASSIFIER)
     out = tmp_path / "advice.json"
     r = memprof("advise", script, "--budget", "24GiB", "--json", out)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
-    assert {"accum2", "accum4", "accum8"} <= set(data["failed"])
-    assert "cutting its tensors where they reach the device" in data["failed"]["accum2"]
-    assert "Expected input batch_size (16) to match target batch_size (32)" in data["failed"]["accum2"]
+    assert data["failed"] == {}
+    plans = {p["plan"]: p for p in data["plans"]}
+    assert {"ckpt", "accum2", "accum4", "ckpt+accum2"} <= set(plans)
+    # Its 4 blocks are checkpointed; fewer samples a micro-batch hold less.
+    for plan in ("ckpt", "accum2"):
+        assert plans[plan]["peak_allocated"] < plans["baseline"]["peak_allocated"]
+    assert plans["accum4"]["peak_allocated"] < plans["accum2"]["peak_allocated"]
