@@ -25,14 +25,15 @@ import torch
 
 from .aten_args import leaves, map_leaves
 
-__all__ = ["KernelCache", "Signature"]
+__all__ = ["KernelCache", "PLAIN_TENSORS", "Signature"]
 
 #: A call's cache key: the operator, then its arguments' metadata.
 Signature = tuple
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _UNCACHEABLE = object()
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: Tensors that are their own storage's owners (a subclass may wrap others, as a DTensor does).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _META = torch.device("meta")
 
 
@@ -52,7 +53,7 @@ def _cacheable_op(func) -> bool:
 
 def _arg_key(a: Any):
     if isinstance(a, torch.Tensor):
-        if a.device != _META or type(a) not in _PLAIN_TENSORS:
+        if a.device != _META or type(a) not in PLAIN_TENSORS:
             # The host's own tensor (its values matter), or a subclass (a
             # DTensor): a cached result would come back as a plain tensor.
             return _UNCACHEABLE

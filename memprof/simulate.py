@@ -34,7 +34,7 @@ from .allocator import Counters, cublas_workspace_bytes
 from .aten_args import tensors
 from .caching import CachingAllocatorModel
 from .devices import GPU, get_gpu
-from .meta_kernels import _PLAIN_TENSORS, KernelCache
+from .meta_kernels import PLAIN_TENSORS, KernelCache
 from .report import Report
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
@@ -339,7 +339,7 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     PyTorch's ``__tensor_flatten__`` protocol) holds none of its own: its
     inner tensors do, made by operators the simulation does not see (the
     subclass runs them while this mode is paused)."""
-    if type(t) in _PLAIN_TENSORS:
+    if type(t) in PLAIN_TENSORS:
         return [t.untyped_storage()]
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is None:
