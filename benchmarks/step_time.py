@@ -7,7 +7,11 @@
 to each workload of the set with PyTorch's engines and times the median of
 4 steps after 2 warm-up steps (``memprof.advisor.measure_steps``). Two sets:
 the time model is fitted on ``fit`` and re-checked on ``check``, whose
-workloads (and sizes) it never saw. ``fit`` simulates each plan on the
+workloads (and sizes) it never saw. The advisor's own benchmark
+(``benchmarks/advise.py verify``, another day's host) adds a second
+measurement of the fit set's GPT-2 16 x 1024 and BERT 32 x 512 to the fit
+(one host's speed varies from day to day: the fit takes both days), and
+ViT-B/16 at 128 and the Llama to the check. ``fit`` simulates each plan on the
 H200 (activation offload's pack as the measured torch did it) and fits
 ``memprof.simulate.TimeModel``'s constants to the measured steps by
 coordinate descent on the mean |log| of predicted over measured; it reports
@@ -42,6 +46,9 @@ SETS = {
     "check": [("llama", (4, 2048)), ("bert", (8, 128)), ("vit_b_16", (32,)), ("gpt2", (8, 512))],
 }
 SKIP = ("offload_states",)  # needs a process group: measured by benchmarks/zero.py
+#: The workloads of benchmarks/advise.py (the suite's sizes), by model: its verify run's
+#: measurements join the fit set where the fit set has the workload, else the check set.
+VERIFIED = {"gpt2": (16, 1024), "bert": (32, 512), "vit_b_16": (128,), "llama": (4, 2048)}
 
 
 def _name(model: str, size: tuple) -> str:
@@ -164,75 +171,97 @@ def _descend(score, start: list[float], bounded: tuple[int, ...]) -> list[float]
     return best
 
 
+def _measurements(out: Path) -> list[dict]:
+    """Every measured step: set, run (the file it came from), workload, plan,
+    seconds, peak reserved bytes, the torch it ran on. The verify run of
+    benchmarks/advise.py (``advise-verified.json``) adds its workloads to the
+    fit set where that has them, else to the check set."""
+    rows = []
+    for which in SETS:
+        data = json.loads((out / f"step-time-measured-{which}.json").read_text())
+        for (model, size) in SETS[which]:
+            for plan, r in data["runs"].get(_name(model, size), {}).items():
+                if "seconds" in r:
+                    rows.append({"set": which, "run": "step-time", "model": model, "size": size, "plan": plan,
+                                 "seconds": r["seconds"], "peak_reserved": r["peak_reserved"],
+                                 "torch": data["meta"]["torch"]})
+    verified = out / "advise-verified.json"
+    if verified.exists():
+        data = json.loads(verified.read_text())
+        fitted = {_name(*w) for w in SETS["fit"]}
+        for model, runs in data["measured"].items():
+            size = VERIFIED[model]
+            for r in runs:
+                seconds = r.get("measured_seconds")  # absent or NaN for a plan that ran out of memory
+                if seconds is None or math.isnan(seconds) or any(x in r["plan"] for x in SKIP):
+                    continue
+                rows.append({"set": "fit" if _name(model, size) in fitted else "check", "run": "advise",
+                             "model": model, "size": size, "plan": r["plan"], "seconds": seconds,
+                             "peak_reserved": r["measured_peak_reserved"], "torch": data["meta"]["torch"]})
+    return rows
+
+
 def fit(out: Path) -> None:
     """Simulate every measured plan, fit the time model on the fit set, report both sets."""
     from memprof.devices import get_gpu
 
     gpu = get_gpu("H200-141GB")
-    sets = {which: json.loads((out / f"step-time-measured-{which}.json").read_text()) for which in SETS}
-    measured = {which: data["runs"] for which, data in sets.items()}
-    traces: dict[tuple[str, str, str], tuple[np.ndarray, float]] = {}
     cache = out / "step-time-traces.npz"  # not kept in the repository: made again when absent
     kept = {k: v for k, v in np.load(cache).items() if v.shape[1:] == (COLUMNS,)} if cache.exists() else {}
-    for which, runs in measured.items():
+    rows = _measurements(out)
+    for r in rows:
         # save_on_cpu's pack waited for its copy before torch 2.12 (see ActivationOffload.synchronous_pack).
-        version = TorchVersion(sets[which]["meta"]["torch"])
-        for (model, size) in SETS[which]:
-            for plan, row in runs.get(_name(model, size), {}).items():
-                if "seconds" not in row:
-                    continue
-                key = f"{which}|{_name(model, size)}|{plan}"
-                if key not in kept:
-                    t = time.perf_counter()
-                    kept[key] = trace(model, size, plan, gpu, synchronous_pack=version < (2, 12))
-                    print(f"{key}: {len(kept[key])} ops ({time.perf_counter() - t:.1f} s)", flush=True)
-                traces[which, _name(model, size), plan] = (kept[key], row["seconds"])
+        sync = TorchVersion(r["torch"]) < (2, 12)
+        key = f"{_name(r['model'], r['size'])}|{r['plan']}|{'sync' if sync else 'async'}"
+        if key not in kept:
+            t = time.perf_counter()
+            kept[key] = trace(r["model"], r["size"], r["plan"], gpu, synchronous_pack=sync)
+            print(f"{key}: {len(kept[key])} ops ({time.perf_counter() - t:.1f} s)", flush=True)
+        r["trace"] = kept[key]
     np.savez_compressed(cache, **kept)
 
-    def errors(params, which):
-        return [math.log(step_seconds(tr, gpu, *params) / sec) for (w, *_), (tr, sec) in traces.items() if w == which]
-
     def score(params) -> float:
-        return statistics.mean(abs(e) for e in errors(params, "fit"))
+        return statistics.mean(abs(math.log(step_seconds(r["trace"], gpu, *params) / r["seconds"]))
+                               for r in rows if r["set"] == "fit")
 
     shipped = list(astuple(TimeModel()))  # the constants memprof has now
     best = [float(v) for v in _descend(score, shipped, bounded=(0, 1, PARAMS.index("link_efficiency")))]
-    rows = []
-    for (which, name, plan), (tr, sec) in traces.items():
-        new, now = step_seconds(tr, gpu, *best), step_seconds(tr, gpu, *shipped)
-        rows.append({"set": which, "workload": name, "plan": plan, "ops": len(tr), "measured_s": sec,
-                     "predicted_s": new, "error": new / sec - 1, "shipped_s": now, "error_shipped": now / sec - 1})
+    for r in rows:
+        tr = r.pop("trace")
+        r["workload"] = _name(r.pop("model"), r.pop("size"))
+        r["ops"] = len(tr)
+        r["predicted_s"], r["shipped_s"] = step_seconds(tr, gpu, *best), step_seconds(tr, gpu, *shipped)
+        r["error"], r["error_shipped"] = r["predicted_s"] / r["seconds"] - 1, r["shipped_s"] / r["seconds"] - 1
     summary: dict = {}
     for which in SETS:
         for key in ("error", "error_shipped"):
             errs = sorted(abs(r[key]) for r in rows if r["set"] == which)
-            summary[f"{which}_{key}"] = {"plans": len(errs), "median": statistics.median(errs), "worst": errs[-1]}
-    per_workload = {}
-    for which in SETS:
-        for (model, size) in SETS[which]:
-            errs = [r["error"] for r in rows if r["set"] == which and r["workload"] == _name(model, size)]
-            if errs:
-                per_workload[f"{which}|{_name(model, size)}"] = {
-                    "plans": len(errs), "median": statistics.median(abs(e) for e in errs),
-                    "worst": max(errs, key=abs), "mean": statistics.mean(errs)}
-    # The advisor's choice with these times: the fastest predicted of the plans that fit a budget
-    # (fitting by the measured peak reserved, so that this checks the time model alone).
+            summary[f"{which}_{key}"] = {"plans": len(errs), "median": statistics.median(errs), "worst": errs[-1],
+                                         "within_15": sum(e <= 0.15 for e in errs),
+                                         "within_30": sum(e <= 0.30 for e in errs)}
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["set"], r["run"], r["workload"]), []).append(r)
+    per_workload = {
+        "|".join(k): {"plans": len(g), "median": statistics.median(abs(r["error"]) for r in g),
+                      "worst": max((r["error"] for r in g), key=abs),
+                      "worst_plan": max(g, key=lambda r: abs(r["error"]))["plan"]}
+        for k, g in groups.items()}
+    # The advisor's choice with these times, per run: the fastest predicted of the plans that fit
+    # a budget (fitting by the measured peak reserved, so that this checks the time model alone).
     choices = []
-    for which in SETS:
-        for (model, size) in SETS[which]:
-            runs = measured[which].get(_name(model, size), {})
-            mine = {r["plan"]: r for r in rows if r["set"] == which and r["workload"] == _name(model, size)}
-            for budget in (12, 24):
-                fit_plans = [p for p in mine if runs[p]["peak_reserved"] <= budget * 2**30]
-                if not fit_plans:
-                    continue
-                fastest = min(fit_plans, key=lambda p: mine[p]["measured_s"])
-                row = {"set": which, "workload": _name(model, size), "budget_GiB": budget, "fastest": fastest}
-                for suffix, column in (("", "predicted_s"), ("_shipped", "shipped_s")):
-                    chosen = min(fit_plans, key=lambda p: mine[p][column])
-                    row["chosen" + suffix] = chosen
-                    row["slower_than_fastest" + suffix] = mine[chosen]["measured_s"] / mine[fastest]["measured_s"] - 1
-                choices.append(row)
+    for (which, run, name), g in groups.items():
+        for budget in (12, 24):
+            fit_plans = [r for r in g if r["peak_reserved"] <= budget * 2**30]
+            if not fit_plans:
+                continue
+            fastest = min(fit_plans, key=lambda r: r["seconds"])
+            row = {"set": which, "run": run, "workload": name, "budget_GiB": budget, "fastest": fastest["plan"]}
+            for suffix, column in (("", "predicted_s"), ("_shipped", "shipped_s")):
+                chosen = min(fit_plans, key=lambda r: r[column])
+                row["chosen" + suffix] = chosen["plan"]
+                row["slower_than_fastest" + suffix] = chosen["seconds"] / fastest["seconds"] - 1
+            choices.append(row)
     for suffix in ("", "_shipped"):
         within = sum(c["slower_than_fastest" + suffix] <= 0.05 for c in choices)
         summary["choices_within_5_percent" + suffix] = f"{within} of {len(choices)}"

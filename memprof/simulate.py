@@ -83,22 +83,23 @@ class TimeModel:
     kernels costs their rooflines, and a step of small ones (small
     micro-batches, recomputation) costs what the host needs to issue them.
 
-    Constants fitted to 78 plans of 5 workloads measured on an H200 (median
-    |error| 4.9 %, was 10.7 % without the recomputation, offload and link
-    terms) and checked on 68 plans of 4 others it never saw (8.9 %, was
-    15.9 %): benchmarks/results/step-time.md. The worst errors (about 60 %)
-    are host-bound steps: what the host spends per operator differs by model
-    (at most 13 µs for a Llama's, 20-25 µs for GPT-2's), which one
-    constant per phase cannot follow. Copies reach ``link_efficiency`` of
+    Constants fitted to 114 steps of 5 workloads measured on an H200 over
+    two days (median |error| 4.9 %, was 10.7 % without the recomputation,
+    offload and link terms) and checked on 100 steps of 5 other workloads
+    it never saw (7.8 %): benchmarks/results/step-time.md. The worst errors
+    (50-60 %) are host-bound steps, whose measurement itself moves by 1.6x
+    between runs, and whose cost per operator differs by model (a Llama's
+    recomputation costs less per operator than GPT-2's), which one constant
+    per phase cannot follow. Copies reach ``link_efficiency`` of
     the link's nominal rate."""
 
-    flop_efficiency: float = 0.74
-    bandwidth_efficiency: float = 0.52
-    per_kernel: float = 9.6e-6
-    host_forward: float = 23.4e-6
-    host_backward: float = 17.7e-6
-    host_convolution: float = 144e-6
-    host_recompute: float = 37.7e-6
+    flop_efficiency: float = 0.75
+    bandwidth_efficiency: float = 0.53
+    per_kernel: float = 12.9e-6
+    host_forward: float = 22.6e-6
+    host_backward: float = 18.1e-6
+    host_convolution: float = 145e-6
+    host_recompute: float = 32.0e-6
     #: The share of the link's nominal rate a copy between the device and
     #: pinned host memory reaches (PCIe's packet and protocol overhead).
     link_efficiency: float = 0.82
