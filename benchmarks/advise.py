@@ -42,6 +42,7 @@ BUDGETS_GIB = (12, 24)
 #: a plan that fits when measured is never left out for a prediction a little high.
 MEASURE_UP_TO = 1.25
 TARGET = "H200-141GB"
+MARGIN = 0.05  # the advisor's default (advise, rerank)
 
 
 def predict(out: Path, models) -> None:
@@ -109,12 +110,12 @@ def check(out: Path) -> pd.DataFrame:
                 continue
             err = table.loc[fits.index, "seconds"] / fits["measured_seconds"] - 1
             errors += [{"model": m, "budget_GiB": b, "plan": p, "error": e} for p, e in err.items()]
-            ranked = rerank(table, b * 2**30)
+            ranked = rerank(table, b * 2**30, MARGIN)
             recommended = next((p for p in ranked.index[ranked["fits"]]), None)
             fastest = fits["measured_seconds"].idxmin()
-            # The advisor keeps a margin (rerank's 5 %) against its own error: the fastest plan
-            # that fits with that margin when measured is the fastest it could have chosen.
-            safe = fits[fits["measured_peak_reserved"] * 1.05 <= b * 2**30]
+            # The advisor keeps a margin against its own error: the fastest plan that fits
+            # with that margin when measured is the fastest it could have chosen.
+            safe = fits[fits["measured_peak_reserved"] * (1 + MARGIN) <= b * 2**30]
             fastest_safe = safe["measured_seconds"].idxmin() if not safe.empty else None
             rows.append({
                 "model": m, "budget_GiB": b, "plans_that_fit": len(fits),
