@@ -135,7 +135,7 @@ def _layout(out: Any, inputs: set):
     def one(t: Any):
         nonlocal ok
         if isinstance(t, torch.Tensor):
-            if t.device != _META or type(t) is not torch.Tensor or t.storage_offset() != 0 or t.requires_grad:
+            if t.device != _META or type(t) not in PLAIN_TENSORS or t.storage_offset() != 0 or t.requires_grad:
                 ok = False
                 return None
             storage = t.untyped_storage()

@@ -939,15 +939,14 @@ class Tracker:
         top = self._graph_top = max(n._sequence_nr() for n in todo)
         # A cheap step hooks the nodes backward runs before its bracket closes
         # (see _Plan), with a margin: a node hooked needlessly only costs its call.
-        full = self._full
-        floor = top - (self._plan.depth * 5 // 4 + 32) if not full else 0
+        floor = None if self._full else top - (self._plan.depth * 5 // 4 + 32)
         seen = set(todo)
         while todo:
             node = todo.pop()
             # AccumulateGrad's output is a parameter's .grad (_on_grad_accumulated
             # names it), and it has no next functions. By its type's name:
             # hasattr(node, "variable") raises and catches an error at every other node.
-            if type(node).__name__ != "AccumulateGrad" and (full or node._sequence_nr() >= floor):
+            if type(node).__name__ != "AccumulateGrad" and (floor is None or node._sequence_nr() >= floor):
                 node.register_hook(hook)
                 for n, _ in node.next_functions:
                     if n is not None and n not in seen:
