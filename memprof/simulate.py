@@ -169,7 +169,8 @@ class SimulatedAllocator(TorchDispatchMode):
         #: :func:`replay_step`).
         self.events: list[tuple] | None = None
         self._handles: dict[weakref.ref, int] = {}
-        self._workspace: int | None = None
+        #: cuBLAS's workspaces taken so far, by thread: autograd's (True) or the training thread's.
+        self._workspaces: dict[bool, int] = {}
         # Peaks (allocated, reserved) folded in before memprof's own resets.
         self._kept = (0, 0)
 
@@ -249,8 +250,8 @@ class SimulatedAllocator(TorchDispatchMode):
         return self.model.reserved + NON_PYTORCH_BYTES
 
     def workspaces(self, known: Callable[[], set[int]]) -> int:
-        """cuBLAS's workspace, once the first matrix product has taken it."""
-        return cublas_workspace_bytes(self.gpu.compute_capability) if self._workspace is not None else 0
+        """cuBLAS's workspaces: one per thread that has run a matrix product."""
+        return len(self._workspaces) * cublas_workspace_bytes(self.gpu.compute_capability)
 
     def empty_cache(self) -> None:
         self.model.empty_cache()
@@ -258,15 +259,12 @@ class SimulatedAllocator(TorchDispatchMode):
     def rewind(self, saved: CachingAllocatorModel) -> bool:
         """Put the allocator back in the state ``saved`` (a copy of :attr:`model`
         taken earlier), when every block live now was live then, save
-        cuBLAS's workspace, which a new process has only after its first
-        matrix product. Returns whether it could."""
-        live = set(self.model._handles)
-        if self._workspace is not None and self._workspace not in saved._handles:
-            live.discard(self._workspace)
-        if live != set(saved._handles):
+        cuBLAS's workspaces, which a new process has only after its threads'
+        first matrix products. Returns whether it could."""
+        later = {h for h in self._workspaces.values() if h not in saved._handles}
+        if set(self.model._handles) - later != set(saved._handles):
             return False
-        if self._workspace not in saved._handles:
-            self._workspace = None
+        self._workspaces = {k: h for k, h in self._workspaces.items() if h not in later}
         self.model = copy.deepcopy(saved)
         return True
 
@@ -302,14 +300,17 @@ class SimulatedAllocator(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out, cost = KERNELS.run(func, args, kwargs, _cost)
-        if self._workspace is None and func.__name__.split(".")[0] in _MATMUL_OPS:
-            # Taken at the first matrix product and kept for the process's life.
-            self._workspace = self._malloc(cublas_workspace_bytes(self.gpu.compute_capability))
+        backward = torch._C._current_graph_task_id() != -1  # autograd's engine is running
+        if len(self._workspaces) < 2 and backward not in self._workspaces and func.__name__.split(".")[0] in _MATMUL_OPS:
+            # PyTorch keeps a cuBLAS workspace per handle and stream, and a handle per thread
+            # (aten/src/ATen/cuda/CublasHandlePool.cpp): the training thread's, and on a GPU
+            # autograd's device thread's, which runs backward's kernels. Each is taken at the
+            # thread's first matrix product and kept for the process's life.
+            self._workspaces[backward] = self._malloc(cublas_workspace_bytes(self.gpu.compute_capability))
         made = [self._allocate(s) for t in tensors(out) if t.is_meta for s in _storages(t)]
         if cost is None:  # the host's own work (a data pipeline): no simulated time
             return out
         flops, nbytes, dtype, conv, kernel = cost
-        backward = torch._C._current_graph_task_id() != -1  # autograd's engine is running
         # The engine runs with grad mode off; checkpointing's recomputation turns it on to
         # record the block's forward again (so does a double backward, create_graph=True,
         # which is charged as recomputation too).

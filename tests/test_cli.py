@@ -96,7 +96,8 @@ def test_track_simulates_a_catalogue_gpu(tmp_path):
     # least their bytes; AdamW's step counters stay on the host.
     assert report.peak.bytes["parameters"] >= gpt_parameter_bytes()
     assert set(report.optimizer_state) == {"exp_avg", "exp_avg_sq"}
-    assert report.peak.bytes["workspaces"] == 8 * 2**20 + 8 * 16 * 2**10  # cuBLAS workspace before Hopper
+    # cuBLAS's workspace before Hopper, for the training thread and autograd's.
+    assert report.peak.bytes["workspaces"] == 2 * (8 * 2**20 + 8 * 16 * 2**10)
     r = memprof("track", "examples/train_gpt.py", "--target", "rtx9090")
     assert r.returncode == 2 and "rtx9090" in r.stderr and "Traceback" not in r.stderr
 

@@ -120,7 +120,9 @@ def test_a_step_that_changes_is_profiled_in_full_again():
     r, peaks, _ = run(mlp_ce, steps=6, before_step=spike)
     assert ref_peaks[3].allocated > ref_peaks[2].allocated
     assert [p.allocated for p in peaks] == [p.allocated for p in ref_peaks]
-    assert r.meta["full_profiles"] == [0, 1, 4, 5]
+    # Step 0 peaks in backward, where autograd's thread takes its cuBLAS workspace;
+    # steps 1 and 2 agree, so step 3 is cheap.
+    assert r.meta["full_profiles"] == [0, 1, 2, 4, 5]
     assert ref_peaks[3].phase == "forward Sequential.2"  # where the full step saw it
     assert peaks[3].phase != ref_peaks[3].phase  # a cheap step's coarse interval
     assert peaks[4] == ref_peaks[4] and peaks[5] == ref_peaks[5]

@@ -49,15 +49,19 @@ def test_simulated_mlp_exact_bytes():
     cats = [c.value for c in memprof.categories.ALLOCATED]
     assert (r.timeline[cats].sum(axis=1) == r.timeline["allocated"]).all()
     assert (r.timeline["temporaries"] >= 0).all()
-    # The 32 MiB cuBLAS workspace (Hopper) is live from the first matmul on:
-    # a temporary in step 0, named from step 1 on (a full step finds it as it starts).
+    # A 32 MiB cuBLAS workspace (Hopper) per thread that runs matrix products:
+    # the training thread's from the first forward matmul on, autograd's from
+    # the first backward one on; temporaries in step 0, named from step 1 on (a
+    # full step finds them as it starts).
     assert cublas_workspace_bytes(H100.compute_capability) == 32 * MiB
     tl = r.timeline
-    first = tl[tl["step"] == 0]["phase"].tolist().index("forward Sequential.0")
-    step0 = tl[tl["step"] == 0].iloc[first:]
+    phases = tl[tl["step"] == 0]["phase"].tolist()
+    step0 = tl[tl["step"] == 0].iloc[phases.index("forward Sequential.0"):]
+    backward0 = tl[tl["step"] == 0].iloc[next(i for i, p in enumerate(phases) if p.startswith("backward")) + 1:]
     assert (step0["temporaries"] >= 32 * MiB).all() and (step0["workspaces"] == 0).all()
-    assert (tl[tl["step"] > 0]["workspaces"] == 32 * MiB).all()
-    assert r.peak.bytes["workspaces"] == 32 * MiB
+    assert (backward0["temporaries"] >= 2 * 32 * MiB).all()
+    assert (tl[tl["step"] > 0]["workspaces"] == 2 * 32 * MiB).all()
+    assert r.peak.bytes["workspaces"] == 2 * 32 * MiB
 
 
 def test_simulation_matches_track_on_cpu():
@@ -289,3 +293,26 @@ def test_a_wrapper_subclass_is_its_inner_tensors():
         assert allocator.read().allocated - before == 4 * MiB
         del outs
         assert allocator.read().allocated == before
+
+
+def test_a_cublas_workspace_per_thread_that_runs_matrix_products():
+    """PyTorch keeps a cuBLAS workspace per handle and stream, and a handle per
+    thread: forward's matrix products take the training thread's, backward's
+    (autograd's device thread on a GPU) a second one; more products take none."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = get_gpu("h100")
+    alloc = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=alloc):
+        w = torch.randn(512, 512, device="cuda", requires_grad=True)
+        x = torch.randn(512, 512, device="cuda")
+        assert alloc.workspaces(set) == 0
+        y = x @ w
+        assert alloc.workspaces(set) == 32 * MiB
+        (x @ w).sum()
+        assert alloc.workspaces(set) == 32 * MiB
+        y.sum().backward()  # mm's backward: a matrix product on autograd's thread
+        assert alloc.workspaces(set) == 2 * 32 * MiB
+        (x @ w).sum().backward()
+        assert alloc.workspaces(set) == 2 * 32 * MiB
