@@ -11,8 +11,15 @@ strides and dtypes, and the kernel's arithmetic and bytes, are kept by
 signature and the next call with the same signature makes empty outputs of
 that layout directly.
 
-What is not kept: views and in-place operators (their outputs share a storage
-the cache cannot rebuild), operators that touch the host's tensors (a data
+An in-place operator (``add_``, the optimizers' ``_foreach_lerp_``) writes
+into its inputs and returns them: once its signature has run, the next call
+returns the written inputs and the kept cost without running the kernel
+(a meta kernel only checks shapes, and the same metadata passes the same
+checks).
+
+What is not kept: views and operators that change their input's metadata
+(``resize_``, ``t_``: PyTorch tags them ``inplace_view``), ``out=`` variants
+(they may resize ``out``), operators that touch the host's tensors (a data
 pipeline computes real values), operators whose output shape depends on
 values, and any output that does not own a whole, fresh storage.
 """
@@ -37,18 +44,27 @@ PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _META = torch.device("meta")
 
 
-def _cacheable_op(func) -> bool:
-    """Whether ``func`` always makes fresh outputs from its inputs' metadata alone."""
+def _cacheable_op(func) -> bool | tuple[int, ...]:
+    """True where ``func`` always makes fresh outputs from its inputs' metadata
+    alone; for an operator that only writes into positional inputs and returns
+    them, the positions it returns; else False."""
     if getattr(func, "is_view", False):
         return False
-    if torch.Tag.dynamic_output_shape in func.tags or torch.Tag.data_dependent_output in func.tags:
+    tags = func.tags
+    if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
         return False
     schema = func._schema
-    if any(a.alias_info is not None for a in schema.arguments):  # in place, out=, or aliasing
+    aliased = [a for a in schema.arguments if a.alias_info is not None]
+    if not aliased:
+        return bool(schema.returns) and all(r.alias_info is None for r in schema.returns)
+    if torch.Tag.inplace_view in tags or "resize" in schema.name:  # changes its input's metadata
         return False
-    if any(r.alias_info is not None for r in schema.returns):
-        return False
-    return bool(schema.returns)
+    if any(not a.alias_info.is_write or a.kwarg_only for a in aliased):
+        return False  # a view, or out=
+    written = {a.name: i for i, a in enumerate(schema.arguments) if a.alias_info is not None}
+    sets = {frozenset(a.alias_info.before_set): written[a.name] for a in aliased}
+    positions = tuple(sets.get(frozenset(r.alias_info.before_set)) if r.alias_info else None for r in schema.returns)
+    return False if None in positions else positions
 
 
 def _arg_key(a: Any):
@@ -74,7 +90,7 @@ class KernelCache:
     """
 
     def __init__(self) -> None:
-        self._ops: dict[Any, bool] = {}
+        self._ops: dict[Any, bool | tuple[int, ...]] = {}
         self._entries: dict[Signature, Any] = {}
         self.hits = self.misses = 0
 
@@ -82,7 +98,7 @@ class KernelCache:
         cacheable = self._ops.get(func)
         if cacheable is None:
             cacheable = self._ops[func] = _cacheable_op(func)
-        if not cacheable:
+        if cacheable is False:
             return None
         # A factory's dtype may come from the default dtype.
         key = [func, torch.get_default_dtype()]
@@ -104,16 +120,31 @@ class KernelCache:
         if entry is not None and entry is not _UNCACHEABLE:
             self.hits += 1
             layout, value = entry
+            if isinstance(layout, _Written):
+                out = tuple(args[i] for i in layout.positions)
+                return (out[0] if len(out) == 1 else out or None), value
             return map_leaves(_rebuild, layout), value
         self.misses += 1
         out = func(*args, **kwargs)
         value = cost(func, args, kwargs, out)
-        if key is not None and entry is None:
+        if key is not None and entry is None and self._ops[func] is not True:
+            positions = self._ops[func]
+            self._entries[key] = (_Written(positions), value) if len(args) > max(positions, default=-1) else _UNCACHEABLE
+        elif key is not None and entry is None:
             # Some operators alias an input without saying so in their schema (aten._unsafe_view).
             inputs = {t.untyped_storage()._cdata for t in leaves(args, kwargs) if isinstance(t, torch.Tensor)}
             layout = _layout(out, inputs)
             self._entries[key] = _UNCACHEABLE if layout is None else (layout, value)
         return out, value
+
+
+class _Written:
+    """An in-place operator's result: the inputs at ``positions``."""
+
+    __slots__ = ("positions",)
+
+    def __init__(self, positions: tuple[int, ...]) -> None:
+        self.positions = positions
 
 
 class _Fresh:

@@ -34,17 +34,42 @@ def test_other_shapes_dtypes_and_scalars_miss():
     assert (cache.misses, cache.hits) == (4, 0)
 
 
-def test_views_in_place_and_host_tensors_are_not_kept():
+def test_views_metadata_changes_out_and_host_tensors_are_not_kept():
     cache = KernelCache()
     x = torch.empty(4, 8, device="meta")
+    out = torch.empty(4, 8, device="meta")
     for _ in range(2):
         v, _ = cache.run(aten.view.default, (x, [32]), {}, _count)
         assert v.untyped_storage()._cdata == x.untyped_storage()._cdata
-        y, _ = cache.run(aten.add_.Tensor, (x, x), {}, _count)
-        assert y is x
+        t = torch.empty(4, 8, device="meta")
+        cache.run(aten.t_.default, (t,), {}, _count)  # changes the input's metadata (inplace_view)
+        assert t.shape == (8, 4)
+        cache.run(aten.add.out, (x, x), {"out": out}, _count)  # out= may resize out
         h, _ = cache.run(aten.add.Tensor, (torch.ones(3), torch.ones(3)), {}, _count)
         assert h.tolist() == [2.0, 2.0, 2.0]  # computed, not rebuilt
     assert cache.hits == 0
+
+
+def test_in_place_operators_return_their_written_inputs():
+    cache = KernelCache()
+    x, y = torch.empty(4, 8, device="meta"), torch.empty(8, device="meta")
+    for _ in range(2):
+        r, v = cache.run(aten.add_.Tensor, (x, y), {}, _count)  # broadcasts y: checked by the first call
+        assert r is x and v == "add_.Tensor"
+    ps = [torch.empty(3, device="meta"), torch.empty(2, 5, device="meta")]
+    for _ in range(2):
+        r, v = cache.run(aten._foreach_lerp_.Scalar, (ps, [torch.empty_like(p) for p in ps], 0.1), {}, _count)
+        assert r is None and v == "_foreach_lerp_.Scalar"
+    assert (cache.misses, cache.hits) == (2, 2)
+    # A signature that fails its checks is not kept: the next call fails as well.
+    for _ in range(2):
+        try:
+            cache.run(aten.add_.Tensor, (y, x), {}, _count)  # (8,) += (4, 8) cannot broadcast into y
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("add_ into a smaller tensor ran")
+    assert cache.hits == 2
 
 
 def test_several_outputs_keep_their_structure():
