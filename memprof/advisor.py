@@ -17,7 +17,7 @@ import logging
 import re
 import statistics
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -222,6 +222,7 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
         for s in base:
             s.apply_simulated(w)
         w.repeats = _Repeats(allocator)
+        optimizer_steps = _OptimizerSteps(allocator)
         built = copy.deepcopy(allocator.model)
         results[()] = _tracked_steps(w, steps, track, allocator)
         report = results[()][0]
@@ -238,8 +239,13 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
                         failed[name] = exc
                     else:
                         try:  # tracking costs time: only steps whose samples are read are tracked
-                            results[keys[name]] = (_tracked_steps(w, steps, track, allocator) if keys[name] in sampled
-                                                   else _plan_counters(w, allocator, steps))
+                            if keys[name] in sampled:
+                                results[keys[name]] = _tracked_steps(w, steps, track, allocator)
+                            else:
+                                results[keys[name]] = _plan_counters(w, allocator, steps, optimizer_steps)
+                            if results[keys[name]] is None:  # not derivable with a replayed optimizer step
+                                _restart(w, allocator, built)
+                                results[keys[name]] = _plan_counters(w, allocator, steps)
                         except Exception as exc:  # the build is left midway through a step
                             failed[name] = exc
                             break
@@ -266,27 +272,99 @@ def _tracked_steps(w: Workload, steps: int, track, allocator) -> tuple[Report, f
     return prof.report(), allocator.clock() - start
 
 
-def _plan_counters(w: Workload, allocator, steps: int) -> tuple[int, int, float]:
+def _plan_counters(w: Workload, allocator, steps: int, optimizer_steps: "_OptimizerSteps | None" = None):
     """A plan's steps without tracking: the last one's peak allocated and
     reserved bytes and seconds; the steps after the first are derived from
     its allocation events (:func:`memprof.simulate.replay_step`) where they
-    repeat it."""
+    repeat it. With ``optimizer_steps`` the first step's optimizer step may
+    be replayed from another plan's; a step then not derivable returns None
+    (its optimizer holds no state to run a second step with)."""
     from .simulate import replay_step
 
     allocator.reset_peak()
     allocator.events, start = [], allocator.clock()
     try:
-        w.step()
+        with optimizer_steps.around(w.optimizer) if optimizer_steps else nullcontext([None]) as replayed:
+            w.step()
     finally:
         events, allocator.events = allocator.events, None
+    kept = replayed[0]
     derived = replay_step(allocator.model, events) if steps > 1 else None
-    if derived is not None:
+    if steps == 1:
+        derived = allocator.model.peak_allocated, allocator.model.peak_reserved, allocator.clock() - start
+    for h in kept or ():  # the replayed optimizer's state, which no tensor holds
+        allocator.model.free(h)
+    if derived is not None or kept is not None:
         return derived
     for _ in range(steps - 1):
         allocator.reset_peak()
         start = allocator.clock()
         w.step()
     return allocator.model.peak_allocated, allocator.model.peak_reserved, allocator.clock() - start
+
+
+class _OptimizerSteps:
+    """An optimizer's first step, simulated once per build and replayed for the other plans.
+
+    The optimizer's step (every plan's last operators) asks the allocator for
+    the same blocks in the same order whatever ran before it, given the same
+    parameters and gradients (dtype, shape, strides), the same settings and
+    no state yet: what differs between plans is the allocator's layout when it
+    starts, which the replay meets as the step would. So the plans after the
+    first replay its recorded events (:meth:`SimulatedAllocator.replay`)
+    instead of running the step's operators.
+    """
+
+    def __init__(self, allocator) -> None:
+        self.allocator = allocator
+        self._steps: dict[tuple, list[tuple]] = {}
+
+    @staticmethod
+    def key(optimizer: torch.optim.Optimizer) -> tuple | None:
+        if optimizer.state:
+            return None
+        key: list = [type(optimizer)]
+        for group in optimizer.param_groups:
+            key.append(tuple((k, repr(v)) for k, v in sorted(group.items()) if k != "params"))
+            for p in group["params"]:
+                g = p.grad
+                if not p.is_meta or (g is not None and not g.is_meta):
+                    return None  # the host's own tensors: real values the optimizer may read
+                key.append((p.dtype, tuple(p.shape), p.stride(),
+                            None if g is None else (g.dtype, tuple(g.shape), g.stride())))
+        return tuple(key)
+
+    @contextmanager
+    def around(self, optimizer: torch.optim.Optimizer):
+        """``optimizer.step`` replayed where recorded, else run and recorded.
+        Yields a list that holds, once the step was replayed, the handles of
+        the replayed blocks still allocated (else it stays None)."""
+        a = self.allocator
+        run = optimizer.step
+        own = optimizer.__dict__.get("step")
+        kept: list = [None]
+
+        def step(*args, **kwargs):
+            key = self.key(optimizer) if not args and not kwargs and a.trace is None else None
+            if key is not None and key in self._steps:
+                kept[0] = a.replay(self._steps[key])
+                return None
+            start, workspaces = len(a.events), dict(a._workspaces)
+            out = run(*args, **kwargs)
+            events = a.events[start:]
+            made = {e[1] for e in events if e[0] == "m"}
+            if key is not None and a._workspaces == workspaces and all(e[1] in made for e in events if e[0] == "f"):
+                self._steps[key] = events
+            return out
+
+        optimizer.step = step
+        try:
+            yield kept
+        finally:
+            if own is None:
+                del optimizer.step
+            else:
+                optimizer.step = own
 
 
 def _restart(w: Workload, allocator, built) -> None:

@@ -268,6 +268,33 @@ class SimulatedAllocator(TorchDispatchMode):
         self.model = copy.deepcopy(saved)
         return True
 
+    def replay(self, events: list[tuple]) -> list[int]:
+        """Do again what ``events`` (a slice of :attr:`events` that frees only
+        blocks it made) did: the same requests on the allocator model as it
+        stands now, the same time on the clocks, recorded again where events
+        are recorded. No tensor is made: returns the handles of the blocks
+        left allocated, for the caller to free."""
+        handles: dict[int, int] = {}
+        for e in events:
+            kind = e[0]
+            if kind == "m":
+                handles[e[1]] = self._malloc(e[2])
+                continue
+            if kind == "f":
+                h = handles.pop(e[1])
+                self.model.free(h)
+                e = ("f", h)
+            elif kind == "c":  # as the seconds setter charges it
+                self.host += e[1]
+                self.device += e[1]
+            else:
+                self.host, self.device = _tick(self.host, self.device, e)
+                if kind == "k":
+                    e = ("k", e[1], [handles[h] for h in e[2]], e[3])
+            if self.events is not None:
+                self.events.append(e)
+        return list(handles.values())
+
     # -- allocation events -----------------------------------------------------
     def adopt(self, tensors) -> None:
         """Count tensors that exist already (made before the simulation began)."""
@@ -379,20 +406,26 @@ def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> tuple[int,
             if e[1] not in handles:
                 return None  # a block from before the step: the second run frees another one
             model.free(handles.pop(e[1]))
-        elif kind == "k":
-            if not (e[2] and all(h in kept for h in e[2])):
-                host += e[3]
-                device = max(device, host) + e[1]
-        elif kind == "o":
-            host += e[1]
-        elif kind == "t":  # a transfer: issued by the host, run by the device, perhaps waited for
-            host += e[2]
-            device = max(device, host) + e[1]
-            if e[3]:
-                host = device
-        else:  # "c": charged to both clocks
-            host = device = max(host, device) + e[1]
+        elif not (kind == "k" and e[2] and all(h in kept for h in e[2])):
+            host, device = _tick(host, device, e)
     return model.peak_allocated, model.peak_reserved, max(host, device)
+
+
+def _tick(host: float, device: float, e: tuple) -> tuple[float, float]:
+    """The host's and the device's clocks after the time event ``e`` (see
+    :attr:`SimulatedAllocator.events`)."""
+    kind = e[0]
+    if kind == "k":  # a kernel: issued by the host, run by the device once issued and free
+        host += e[3]
+        return host, max(device, host) + e[1]
+    if kind == "o":
+        return host + e[1], device
+    if kind == "t":  # a transfer: issued by the host, run by the device, perhaps waited for
+        host += e[2]
+        device = max(device, host) + e[1]
+        return (device if e[3] else host), device
+    now = max(host, device) + e[1]  # "c": charged to both clocks
+    return now, now
 
 
 def _cost(func, args: tuple, kwargs: dict, out: Any):

@@ -305,6 +305,39 @@ def test_plans_on_one_build_equal_their_own_simulations():
     assert base.meta["plan"] == "baseline" and base.steps["step"].tolist() == [0, 1]
 
 
+def test_a_replayed_optimizer_step_changes_nothing(monkeypatch):
+    """The optimizer's first step, run for the first untracked plan and replayed
+    from its allocation events for the others, gives every plan the bytes and
+    seconds running it gives."""
+    from memprof.advisor import _OptimizerSteps, simulate_plans
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = get_gpu("h200")
+    replays = []
+    replay = SimulatedAllocator.replay
+    monkeypatch.setattr(SimulatedAllocator, "replay", lambda self, events: replays.append(events) or replay(self, events))
+    plans = lambda: {name: factory() for name, factory in default_plans(1, gpu=gpu).items()}  # noqa: E731
+    _, replayed = simulate_plans(block_workload, plans(), gpu)
+    # 20 plans: the baseline and bf16 steps are tracked (state offload's adjustment reads their
+    # samples), 16 more run untracked; the first of them records the optimizer step.
+    assert len(plans()) == 20 and len(replays) == 15
+    # AdamW's state: exp_avg and exp_avg_sq of every parameter, made by the step and kept.
+    params = sum(p.numel() * 4 for p in Stack().parameters())  # fp32
+    made = [e[2] for e in replays[0] if e[0] == "m"]
+    freed = {e[1] for e in replays[0] if e[0] == "f"}
+    kept = sum(e[2] for e in replays[0] if e[0] == "m" and e[1] not in freed)
+    assert kept == 2 * params and len(made) > len(freed)
+
+    monkeypatch.setattr(_OptimizerSteps, "key", staticmethod(lambda optimizer: None))  # run every step
+    replays.clear()
+    _, run = simulate_plans(block_workload, plans(), gpu)
+    assert replays == []
+    for name, pred in run.items():
+        got = replayed[name]
+        assert (got.peak_allocated, got.peak_reserved, got.seconds) == (
+            pred.peak_allocated, pred.peak_reserved, pred.seconds), name
+
+
 def test_repeated_micro_batches_run_once_and_change_nothing():
     """With 8 micro-batches, the simulation stops running them once the
     allocator's layout repeats; peaks and time equal running all 8."""
