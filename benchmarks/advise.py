@@ -4,6 +4,7 @@
     python benchmarks/advise.py verify  [--out DIR] [--models ...]   # on the GPU: measure them
     python benchmarks/advise.py check   [--out DIR]                  # anywhere: errors and choices per budget
     python benchmarks/advise.py repeat --models gpt2 --plans P ...   # on the GPU: the same plans on fresh builds, 3 rounds
+    python benchmarks/advise.py fresh --models gpt2 --plans P ...    # on the GPU: each plan in a process of its own
 
 Four workloads, fp32 + AdamW as given: GPT-2 124M (16 x 1024), BERT-base
 MLM (32 x 512), ViT-B/16 (batch 128) and the suite's Llama-style 0.5 B
@@ -16,6 +17,13 @@ reserved fits it and reports the predicted step time's error on each
 predicted plan that fits with its margin) and how far its measured time is
 from the fastest measured plan that fits, and from the fastest that fits
 with the advisor's margin.
+
+``verify`` measures a model's plans one after another in one process, as
+``memprof.verify`` does; ``fresh`` measures each plan in a new process, as
+a user's run starts. Peak reserved can differ between the two: the caching
+allocator returns its segments to the driver between plans, and the
+addresses the driver hands out next decide which of two equal free blocks
+the allocator's best fit takes (``advise-fresh.json``).
 """
 
 from __future__ import annotations
@@ -94,6 +102,48 @@ def repeat(out: Path, model: str, plans: list[str], rounds: int = 3) -> None:
     (out / f"advise-noise-{model}.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
+def fresh(out: Path, models, plans: list[str]) -> None:
+    """Each of ``plans`` measured in a process of its own, next to its
+    prediction and its measurement in ``verify``'s sequence (``advise-fresh.json``)."""
+    import subprocess
+
+    predicted = json.loads((out / "advise-predicted.json").read_text())
+    in_sequence = json.loads((out / "advise-verified.json").read_text())["measured"]
+    path = out / "advise-fresh.json"
+    results = json.loads(path.read_text())["measured"] if path.exists() else {}
+    for m in models:
+        pred = {r["plan"]: r for r in predicted[m]}
+        seq = {r["plan"]: r for r in in_sequence.get(m, [])}
+        rows = []
+        for plan in plans:
+            r = subprocess.run([sys.executable, __file__, "one", "--models", m, "--plans", plan],
+                               capture_output=True, text=True, check=True)
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+            row = {"plan": plan, "predicted_peak_reserved": pred[plan]["peak_reserved"],
+                   "measured_peak_reserved": got["peak_reserved"],
+                   "in_sequence_peak_reserved": seq.get(plan, {}).get("measured_peak_reserved"),
+                   "predicted_peak_allocated": pred[plan]["peak_allocated"], "measured_peak_allocated": got["peak_allocated"],
+                   "measured_seconds": got["seconds"]}
+            print(m, row, flush=True)
+            rows.append(row)
+        results[m] = rows
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": "python " + " ".join(sys.argv)}
+        path.write_text(json.dumps({"meta": meta, "measured": results}, indent=1, default=float) + "\n")
+
+
+def one(model: str, plan: str) -> None:
+    """One plan measured as ``verify`` measures it (median of 5 steps after 2), printed as JSON."""
+    import torch.distributed as dist
+
+    from memprof.advisor import _measure
+
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    try:
+        print(json.dumps(_measure(lambda: workload(model), default_plans()[plan], steps=5, warmup=2)))
+    finally:
+        dist.destroy_process_group()
+
+
 def check(out: Path) -> pd.DataFrame:
     """Per model and budget: the time errors of the plans that fit as measured, and the advisor's choice."""
     predicted = json.loads((out / "advise-predicted.json").read_text())
@@ -148,16 +198,19 @@ def check(out: Path) -> pd.DataFrame:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["predict", "verify", "check", "repeat"])
+    ap.add_argument("mode", choices=["predict", "verify", "check", "repeat", "fresh", "one"])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    ap.add_argument("--plans", nargs="+", default=[], help="for repeat: the plans to measure again")
+    ap.add_argument("--plans", nargs="+", default=[], help="for repeat and fresh: the plans to measure")
     a = ap.parse_args()
-    if a.mode == "repeat" and (len(a.models) != 1 or not a.plans):
-        ap.error("repeat takes one model (--models gpt2) and the plans to measure (--plans bf16+accum4 ...)")
+    if a.mode in ("repeat", "one") and (len(a.models) != 1 or not a.plans):
+        ap.error(f"{a.mode} takes one model (--models gpt2) and the plans to measure (--plans bf16+accum4 ...)")
+    if a.mode == "fresh" and not a.plans:
+        ap.error("fresh takes the plans to measure (--plans accum4 ...)")
     a.out.mkdir(parents=True, exist_ok=True)
     {"predict": lambda: predict(a.out, a.models), "verify": lambda: verify_all(a.out, a.models),
-     "check": lambda: check(a.out), "repeat": lambda: repeat(a.out, a.models[0], a.plans)}[a.mode]()
+     "check": lambda: check(a.out), "repeat": lambda: repeat(a.out, a.models[0], a.plans),
+     "fresh": lambda: fresh(a.out, a.models, a.plans), "one": lambda: one(a.models[0], a.plans[0])}[a.mode]()
 
 
 if __name__ == "__main__":

@@ -672,6 +672,14 @@ def verify(
     predicted and measured peak allocated/reserved and step time (median of
     ``steps``), and the measured saving against the measured baseline. A plan
     that runs out of memory is reported as such.
+
+    The plans run one after another in this process, each on a fresh build
+    with the cache emptied before it. Peak reserved can still differ from a
+    run of the plan in a new process: the addresses the driver hands out
+    for new segments decide which of two equal free blocks the caching
+    allocator's best fit takes (GPT-2 124M with 4 micro-batches: 9.54 GiB
+    after ten other plans, 8.74 GiB in a process of its own;
+    benchmarks/results/README.md).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("verify() measures on a CUDA GPU and none is available; advise() alone works without one")
