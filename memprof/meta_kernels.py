@@ -127,8 +127,8 @@ class KernelCache:
         self.misses += 1
         out = func(*args, **kwargs)
         value = cost(func, args, kwargs, out)
-        if key is not None and entry is None and self._ops[func] is not True:
-            positions = self._ops[func]
+        positions = self._ops[func]
+        if key is not None and entry is None and isinstance(positions, tuple):  # in place
             self._entries[key] = (_Written(positions), value) if len(args) > max(positions, default=-1) else _UNCACHEABLE
         elif key is not None and entry is None:
             # Some operators alias an input without saying so in their schema (aten._unsafe_view).
