@@ -222,7 +222,7 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
         for s in base:
             s.apply_simulated(w)
         w.repeats = _Repeats(allocator)
-        optimizer_steps = _OptimizerSteps(allocator)
+        optimizer_steps = _OptimizerSteps()
         built = copy.deepcopy(allocator.model)
         results[()] = _tracked_steps(w, steps, track, allocator)
         report = results[()][0]
@@ -284,7 +284,7 @@ def _plan_counters(w: Workload, allocator, steps: int, optimizer_steps: "_Optimi
     allocator.reset_peak()
     allocator.events, start = [], allocator.clock()
     try:
-        with optimizer_steps.around(w.optimizer) if optimizer_steps else nullcontext([None]) as replayed:
+        with optimizer_steps.around(w.optimizer, allocator) if optimizer_steps else nullcontext([None]) as replayed:
             w.step()
     finally:
         events, allocator.events = allocator.events, None
@@ -304,7 +304,7 @@ def _plan_counters(w: Workload, allocator, steps: int, optimizer_steps: "_Optimi
 
 
 class _OptimizerSteps:
-    """An optimizer's first step, simulated once per build and replayed for the other plans.
+    """An optimizer's first step, simulated once and replayed for the other plans (and batch sizes).
 
     The optimizer's step (every plan's last operators) asks the allocator for
     the same blocks in the same order whatever ran before it, given the same
@@ -312,11 +312,10 @@ class _OptimizerSteps:
     no state yet: what differs between plans is the allocator's layout when it
     starts, which the replay meets as the step would. So the plans after the
     first replay its recorded events (:meth:`SimulatedAllocator.replay`)
-    instead of running the step's operators.
+    instead of running the step's operators, on one build or another.
     """
 
-    def __init__(self, allocator) -> None:
-        self.allocator = allocator
+    def __init__(self) -> None:
         self._steps: dict[tuple, list[tuple]] = {}
 
     @staticmethod
@@ -335,11 +334,11 @@ class _OptimizerSteps:
         return tuple(key)
 
     @contextmanager
-    def around(self, optimizer: torch.optim.Optimizer):
-        """``optimizer.step`` replayed where recorded, else run and recorded.
-        Yields a list that holds, once the step was replayed, the handles of
-        the replayed blocks still allocated (else it stays None)."""
-        a = self.allocator
+    def around(self, optimizer: torch.optim.Optimizer, a):
+        """``optimizer.step`` replayed on the simulated allocator ``a`` where
+        recorded, else run and recorded. Yields a list that holds, once the
+        step was replayed, the handles of the replayed blocks still allocated
+        (else it stays None)."""
         run = optimizer.step
         own = optimizer.__dict__.get("step")
         kept: list = [None]
@@ -616,9 +615,12 @@ def max_batch_size(
         if isinstance(s, Accumulation):
             unit *= s.k
 
+    optimizer_steps = _OptimizerSteps()  # the parameters and gradients are the same at every batch size
+
     def fits(n: int, confirm: bool = False) -> bool:  # n units of batch
         make = lambda: make_workload(n * unit)  # noqa: E731
-        reserved = simulate_plan(make, plan, gpu).peak_reserved if confirm else _peak_reserved(make, plan, gpu)
+        reserved = (simulate_plan(make, plan, gpu).peak_reserved if confirm
+                    else _peak_reserved(make, plan, gpu, optimizer_steps))
         return reserved * (1 + margin) <= nbytes
 
     top = limit // unit
@@ -637,7 +639,8 @@ def max_batch_size(
     return lo * unit
 
 
-def _peak_reserved(make_workload: Callable[[], Workload], plan: PlanFactory, gpu: GPU) -> int:
+def _peak_reserved(make_workload: Callable[[], Workload], plan: PlanFactory, gpu: GPU,
+                   optimizer_steps: _OptimizerSteps | None = None) -> int:
     """A plan's predicted peak reserved bytes, as :func:`simulate_plan` gives them, without
     tracking: one step, the second derived from its events (:func:`_plan_counters`)."""
     from .simulate import SimulatedAllocator, _state_tensors
@@ -654,7 +657,8 @@ def _peak_reserved(make_workload: Callable[[], Workload], plan: PlanFactory, gpu
         for s in strategies:
             s.apply_simulated(w)
         w.repeats = _Repeats(allocator)
-        return _plan_counters(w, allocator, 2)[1]
+        counters = _plan_counters(w, allocator, 2, optimizer_steps)
+    return _peak_reserved(make_workload, plan, gpu) if counters is None else counters[1]
 
 
 def verify(

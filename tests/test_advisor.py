@@ -211,6 +211,24 @@ def test_max_batch_size_is_the_largest_that_fits():
     assert _fits(b, budget) and not _fits(b + 1, budget)
 
 
+def test_max_batch_size_replays_the_optimizer_step_across_batch_sizes(monkeypatch):
+    """Every batch size has the same parameters and gradients: the optimizer's
+    step runs at the first size tried and is replayed at the others, with the
+    answer of running it at each."""
+    from memprof.advisor import _OptimizerSteps
+    from memprof.simulate import SimulatedAllocator
+
+    replays, calls = [], []
+    replay = SimulatedAllocator.replay
+    monkeypatch.setattr(SimulatedAllocator, "replay", lambda self, events: replays.append(1) or replay(self, events))
+    sizes = lambda n: calls.append(n) or ff_workload(n)  # noqa: E731
+    b = max_batch_size(sizes, 160 * MiB, target="h100")
+    # Every size but the first and the answer's full simulation (tracked) is replayed.
+    assert len(calls) > 10 and len(replays) == len(calls) - 2
+    monkeypatch.setattr(_OptimizerSteps, "key", staticmethod(lambda optimizer: None))
+    assert max_batch_size(ff_workload, 160 * MiB, target="h100") == b
+
+
 def test_max_batch_size_too_small_and_limit():
     # 8 MiB of weights and 16 MiB of AdamW state alone take more than 20 MiB.
     assert max_batch_size(ff_workload, 20 * MiB, target="h100") == 0
