@@ -10,7 +10,7 @@ from torch import nn
 from memprof.advisor import Advice, advise, default_plans, max_batch_size, parse_budget, simulate_plan, verify
 from memprof.devices import CATALOGUE, get_gpu
 from memprof.simulate import NON_PYTORCH_BYTES
-from memprof.strategies import Autocast, Checkpointing, ZeRO
+from memprof.strategies import Accumulation, Autocast, Checkpointing, ZeRO
 from memprof.units import fmt_bytes
 from memprof.workload import Workload
 from models import FF, MiB, mlp
@@ -350,6 +350,43 @@ def test_a_replayed_optimizer_step_changes_nothing(monkeypatch):
     replays.clear()
     _, run = simulate_plans(block_workload, plans(), gpu)
     assert replays == []
+    for name, pred in run.items():
+        got = replayed[name]
+        assert (got.peak_allocated, got.peak_reserved, got.seconds) == (
+            pred.peak_allocated, pred.peak_reserved, pred.seconds), name
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    lambda ps: torch.optim.AdamW(ps, fused=True),
+    lambda ps: torch.optim.Adam(ps, foreach=False),
+    lambda ps: torch.optim.Adafactor(ps),
+    lambda ps: torch.optim.RMSprop(ps),
+    lambda ps: torch.optim.lr_scheduler.StepLR(torch.optim.AdamW(ps), 1).optimizer,  # its step wrapped by the scheduler
+], ids=["sgd-momentum", "adamw-fused", "adam-for-loop", "adafactor", "rmsprop", "adamw-steplr"])
+def test_other_optimizers_replay_as_they_run(monkeypatch, make_optimizer):
+    from memprof.advisor import _OptimizerSteps, simulate_plans
+    from memprof.simulate import SimulatedAllocator
+
+    replays = []
+    replay = SimulatedAllocator.replay
+    monkeypatch.setattr(SimulatedAllocator, "replay", lambda self, events: replays.append(1) or replay(self, events))
+
+    optimizers = []
+
+    def make():
+        w = block_workload()
+        w.optimizer = make_optimizer(list(w.model.parameters()))
+        optimizers.append((w.optimizer, w.optimizer.__dict__.get("step")))
+        return w
+
+    plans = lambda: {"baseline": [], "accum2": [Accumulation(2)], "ckpt": [Checkpointing()],  # noqa: E731
+                     "bf16+accum2": [Autocast("bf16"), Accumulation(2)]}
+    _, replayed = simulate_plans(make, plans(), get_gpu("h200"))
+    assert len(replays) == 2  # accum2 runs the step (the baseline's is tracked); ckpt and bf16+accum2 replay it
+    assert all(o.__dict__.get("step") is own for o, own in optimizers)  # the optimizer's own step is back
+    monkeypatch.setattr(_OptimizerSteps, "key", staticmethod(lambda optimizer: None))
+    _, run = simulate_plans(make, plans(), get_gpu("h200"))
     for name, pred in run.items():
         got = replayed[name]
         assert (got.peak_allocated, got.peak_reserved, got.seconds) == (
