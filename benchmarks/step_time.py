@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from suite import workload  # noqa: E402
 
 from memprof.advisor import _measure, default_plans  # noqa: E402
-from memprof.simulate import TimeModel  # noqa: E402
+from memprof.simulate import CONVOLUTION, MISALIGNED, STREAMING, TimeModel  # noqa: E402
 
 SETS = {
     "fit": [("gpt2", (16, 1024)), ("gpt2", (4, 256)), ("bert", (32, 512)), ("deep_mlp", (64,)), ("resnet50", (64,))],
@@ -113,12 +113,16 @@ def trace(model: str, size: tuple, plan: str, gpu, synchronous_pack: bool) -> np
     return np.array(alloc.trace, dtype=np.float64).reshape(-1, COLUMNS)
 
 
-COLUMNS = 7  # of a trace row; a cached trace of another width is made again
+COLUMNS = 8  # of a trace row; a cached trace of another width is made again
+#: TimeModel's kernel efficiencies, measured kernel by kernel (benchmarks/kernel_time.py), not fitted here.
+PER_KERNEL = ("flop_efficiency", "fp32_flop_efficiency", "misaligned_flop_efficiency", "convolution_flop_efficiency",
+              "bandwidth_efficiency", "streaming_bandwidth_efficiency")
 #: TimeModel's constants, in the order step_seconds takes them.
 PARAMS = tuple(f.name for f in fields(TimeModel))
 
 
-def step_seconds(tr: np.ndarray, gpu, fe: float, be: float, per_kernel: float, host_forward: float,
+def step_seconds(tr: np.ndarray, gpu, fe: float, f32e: float, mfe: float, ce: float, be: float, sbe: float,
+                 per_kernel: float, host_forward: float,
                  host_backward: float, host_convolution: float, host_recompute: float, link: float) -> float:
     """TimeModel on a trace, vectorised. The host issues row j at the sum of
     the issue costs up to it; the device runs each kernel (or transfer) once
@@ -130,13 +134,16 @@ def step_seconds(tr: np.ndarray, gpu, fe: float, be: float, per_kernel: float, h
     if not len(tr):
         return 0.0
     flops, nbytes, kind = tr[:, 0], tr[:, 1], tr[:, 2]
-    conv, bwd, rec, ops = tr[:, 3] > 0, tr[:, 4] > 0, tr[:, 5] > 0, tr[:, 6]
+    conv, bwd, rec, ops, kinds = tr[:, 3] > 0, tr[:, 4] > 0, tr[:, 5] > 0, tr[:, 6], tr[:, 7]
     # TimeModel.host_seconds, times the operators each row stands for.
     phase = np.where(conv, host_convolution, np.where(bwd & ~rec, host_backward, host_forward))
     host = ops * (phase + np.where(rec, host_recompute, 0.0))
-    rates = np.array([gpu.fp32_tflops, gpu.tf32_tflops or gpu.bf16_tflops / 2, gpu.bf16_tflops]) * 1e12 * fe
+    rates = np.array([gpu.fp32_tflops, gpu.tf32_tflops or gpu.bf16_tflops / 2, gpu.bf16_tflops]) * 1e12
+    precision = np.clip(kind, 0, 2).astype(int)
+    rates = rates[precision] * np.select([kinds == CONVOLUTION, kinds == MISALIGNED, precision == 0], [ce, mfe, f32e], fe)
     kernel, transfer = kind >= 0, kind <= -2
-    roof = np.maximum(flops / rates[np.clip(kind, 0, 2).astype(int)], nbytes / (gpu.memory_bandwidth * be)) + per_kernel
+    bandwidth = gpu.memory_bandwidth * np.where(kinds == STREAMING, sbe, be)
+    roof = np.maximum(flops / rates, nbytes / bandwidth) + per_kernel
     dev = np.where(kernel, roof, np.where(transfer, nbytes / (gpu.pcie_bandwidth * link), 0.0))
     n = len(tr)
     ends = np.flatnonzero(kind == -3)
@@ -153,15 +160,16 @@ def step_seconds(tr: np.ndarray, gpu, fe: float, be: float, per_kernel: float, h
     return float(np.maximum(device, np.add.reduceat(host, starts)).sum())
 
 
-def _descend(score, start: list[float], bounded: tuple[int, ...]) -> list[float]:
+def _descend(score, start: list[float], bounded: tuple[int, ...], frozen: tuple[int, ...] = ()) -> list[float]:
     """Coordinate descent from ``start`` by relative steps (50 % down to 0.5 %),
-    each constant up or down while ``score`` falls; those in ``bounded`` stay <= 1."""
+    each constant but those in ``frozen`` up or down while ``score`` falls;
+    those in ``bounded`` stay <= 1."""
     best, value = list(start), score(start)
     for step in (0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.005):
         moved = True
         while moved:
             moved = False
-            for i in range(len(best)):
+            for i in (i for i in range(len(best)) if i not in frozen):
                 for factor in (1 + step, 1 / (1 + step)):
                     trial = list(best)
                     trial[i] = min(trial[i] * factor, 1.0) if i in bounded else trial[i] * factor
@@ -225,7 +233,8 @@ def fit(out: Path) -> None:
                                for r in rows if r["set"] == "fit")
 
     shipped = list(astuple(TimeModel()))  # the constants memprof has now
-    best = [float(v) for v in _descend(score, shipped, bounded=(0, 1, PARAMS.index("link_efficiency")))]
+    best = [float(v) for v in _descend(score, shipped, bounded=tuple(PARAMS.index(n) for n in PARAMS if "efficiency" in n),
+                                       frozen=tuple(PARAMS.index(n) for n in PER_KERNEL))]
     for r in rows:
         tr = r.pop("trace")
         r["workload"] = _name(r.pop("model"), r.pop("size"))

@@ -72,9 +72,10 @@ class TimeModel:
     tensor) around it: a recomputed operator costs ``host_forward`` plus
     ``host_recompute``. The device runs each kernel once it is issued and the
     previous kernel is done: its roofline, the larger of its arithmetic at the
-    dtype's tensor-core rate and its bytes (inputs read once, outputs written
-    once) at memory bandwidth, each at an achievable fraction of the
-    datasheet, plus a fixed gap per kernel (``per_kernel``). A copy between
+    dtype's rate and its bytes (inputs read once, outputs written once) at
+    memory bandwidth, each at the share of the datasheet its kind of kernel
+    reaches (:func:`_kernel_kind`), plus a fixed gap per kernel
+    (``per_kernel``). A copy between
     host and device runs in stream order at the link's achieved rate; one
     that the host waits for (``SimulatedAllocator.transfer(synchronize=True)``)
     brings the two clocks together. A step ends when both are done (``verify`` times
@@ -83,23 +84,38 @@ class TimeModel:
     kernels costs their rooflines, and a step of small ones (small
     micro-batches, recomputation) costs what the host needs to issue them.
 
-    Constants fitted to 114 steps of 5 workloads measured on an H200 over
-    two days (median |error| 4.9 %, was 10.7 % without the recomputation,
-    offload and link terms) and checked on 100 steps of 5 other workloads
-    it never saw (7.8 %): benchmarks/results/step-time.md. The worst errors
+    The shares are measured kernel by kernel: 12 steps of 6 workloads
+    profiled on an H200, each kind's time against its work
+    (benchmarks/kernel_time.py); a 16-bit matrix product reaches 0.87 of
+    the tensor-core rate, one with a dimension that is not a multiple of
+    16 bytes 0.16. The host's constants, ``per_kernel`` and the link's share
+    are fitted to 114 steps of 5 workloads measured on an H200 over two
+    days (median |error| 4.9 %) and checked on 100 steps of 5 other
+    workloads they never saw (6.5 %, 7.8 % with one share for every kind):
+    benchmarks/results/step-time.md. The worst errors
     (50-60 %) are host-bound steps, whose measurement itself moves by 1.6x
     between runs, and whose cost per operator differs by model (a Llama's
     recomputation costs less per operator than GPT-2's), which one constant
     per phase cannot follow. Copies reach ``link_efficiency`` of
     the link's nominal rate."""
 
-    flop_efficiency: float = 0.75
-    bandwidth_efficiency: float = 0.53
-    per_kernel: float = 12.9e-6
-    host_forward: float = 22.6e-6
-    host_backward: float = 18.1e-6
-    host_convolution: float = 145e-6
-    host_recompute: float = 32.0e-6
+    #: Shares of the datasheet a kernel reaches, by kind (:func:`_kernel_kind`):
+    #: a matrix product on tensor cores (16-bit, TF32), one in fp32 (no tensor
+    #: cores), a 16-bit one with a dimension that is not a multiple of 16 bytes,
+    #: a convolution (cuDNN, NCHW), each of its arithmetic rate; an elementwise
+    #: kernel and any other one (reductions, normalisations, softmax, gathers,
+    #: scatters) of the memory bandwidth.
+    flop_efficiency: float = 0.868
+    fp32_flop_efficiency: float = 0.746
+    misaligned_flop_efficiency: float = 0.155
+    convolution_flop_efficiency: float = 0.210
+    bandwidth_efficiency: float = 0.384
+    streaming_bandwidth_efficiency: float = 0.721
+    per_kernel: float = 9.5e-6
+    host_forward: float = 17.4e-6
+    host_backward: float = 21.7e-6
+    host_convolution: float = 149e-6
+    host_recompute: float = 33.8e-6
     #: The share of the link's nominal rate a copy between the device and
     #: pinned host memory reaches (PCIe's packet and protocol overhead).
     link_efficiency: float = 0.82
@@ -118,9 +134,11 @@ class TimeModel:
             seconds += self.host_recompute
         return seconds
 
-    def seconds(self, gpu: GPU, flops: int, nbytes: int, dtype: torch.dtype | None, tf32: bool = False) -> float:
-        """One kernel's device time."""
+    def seconds(self, gpu: GPU, flops: int, nbytes: int, dtype: torch.dtype | None, tf32: bool = False,
+                kind: int = 0) -> float:
+        """One kernel's device time; ``kind`` as :func:`_kernel_kind` gives it."""
         half = gpu.bf16_tflops or gpu.fp16_tflops or gpu.fp32_tflops
+        flop_efficiency = self.flop_efficiency
         if dtype in _HALF:
             rate = half
         elif tf32 and gpu.compute_capability >= (8, 0):
@@ -129,9 +147,14 @@ class TimeModel:
             # matmuls may not (allow_tf32 is off).
             rate = gpu.tf32_tflops or half / 2
         else:
-            rate = gpu.fp32_tflops
-        compute = flops / (rate * 1e12 * self.flop_efficiency) if flops else 0.0
-        memory = nbytes / (gpu.memory_bandwidth * self.bandwidth_efficiency)
+            rate, flop_efficiency = gpu.fp32_tflops, self.fp32_flop_efficiency
+        if kind == CONVOLUTION:
+            flop_efficiency = self.convolution_flop_efficiency
+        elif kind == MISALIGNED:
+            flop_efficiency = self.misaligned_flop_efficiency
+        compute = flops / (rate * 1e12 * flop_efficiency) if flops else 0.0
+        efficiency = self.streaming_bandwidth_efficiency if kind == STREAMING else self.bandwidth_efficiency
+        memory = nbytes / (gpu.memory_bandwidth * efficiency)
         return max(compute, memory) + self.per_kernel
 
 
@@ -158,8 +181,9 @@ class SimulatedAllocator(TorchDispatchMode):
         #: When a list, every device operator's (flops, bytes, precision: 2 half, 1 tf32, 0 fp32,
         #: -1 for an operator that launches no kernel, -2 for a host-device transfer, -3 for one
         #: the host waits for; is a convolution; runs in backward; is recomputed (grad mode on in
-        #: backward); the operators the host issues for it: 1, more for a transfer) is appended.
-        self.trace: list[tuple[int, int, int, bool, bool, bool, int]] | None = None
+        #: backward); the operators the host issues for it: 1, more for a transfer; the kernel's kind,
+        #: :func:`_kernel_kind`) is appended.
+        self.trace: list[tuple[int, int, int, bool, bool, bool, int, int]] | None = None
         #: When a list, allocation and time events are appended: ``("m", handle,
         #: bytes)``, ``("f", handle)``, ``("k", seconds, handles, host seconds)``
         #: for a kernel (its device time, the handles of the outputs it allocated,
@@ -215,7 +239,7 @@ class SimulatedAllocator(TorchDispatchMode):
         if self.events is not None:
             self.events.append(("t", seconds, host, synchronize))
         if self.trace is not None:
-            self.trace.append((0, nbytes, -3 if synchronize else -2, False, backward, recompute, host_ops))
+            self.trace.append((0, nbytes, -3 if synchronize else -2, False, backward, recompute, host_ops, 0))
 
     # -- the counters memprof.track reads --------------------------------------
     def read(self) -> Counters:
@@ -337,7 +361,7 @@ class SimulatedAllocator(TorchDispatchMode):
         made = [self._allocate(s) for t in tensors(out) if t.is_meta for s in _storages(t)]
         if cost is None:  # the host's own work (a data pipeline): no simulated time
             return out
-        flops, nbytes, dtype, conv, kernel = cost
+        flops, nbytes, dtype, conv, kernel, kind = cost
         # The engine runs with grad mode off; checkpointing's recomputation turns it on to
         # record the block's forward again (so does a double backward, create_graph=True,
         # which is charged as recomputation too).
@@ -348,10 +372,10 @@ class SimulatedAllocator(TorchDispatchMode):
             if self.events is not None:
                 self.events.append(("o", host))
             if self.trace is not None:
-                self.trace.append((0, 0, -1, conv, backward, recompute, 1))
+                self.trace.append((0, 0, -1, conv, backward, recompute, 1, 0))
             return out
         tf32 = conv and torch.backends.cudnn.allow_tf32
-        seconds = self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32)
+        seconds = self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32, kind)
         self.device = max(self.device, self.host) + seconds
         if self.events is not None:
             self.events.append(("k", seconds, [h for h in made if h is not None], host))
@@ -359,7 +383,8 @@ class SimulatedAllocator(TorchDispatchMode):
         self.bytes_moved += nbytes
         self.kernels += 1
         if self.trace is not None:
-            self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0), conv, backward, recompute, 1))
+            self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0), conv, backward, recompute, 1,
+                               kind))
         return out
 
 
@@ -430,16 +455,52 @@ def _tick(host: float, device: float, e: tuple) -> tuple[float, float]:
 
 def _cost(func, args: tuple, kwargs: dict, out: Any):
     """A device operator's (flops, bytes read and written, input dtype, is a
-    convolution, launches a kernel), or None for the host's own work."""
+    convolution, launches a kernel, :func:`_kernel_kind`), or None for the host's own work."""
     ins, outs = tensors(args, kwargs), tensors(out)
     # Only the device's work takes simulated time: the host's own tensors (a data pipeline) do not.
     if not (any(t.is_meta for t in outs) or any(t.is_meta for t in ins)):
         return None
     if getattr(func, "is_view", False) or func.__name__.split(".")[0] in _NO_KERNEL:
-        return 0, 0, None, False, False
+        return 0, 0, None, False, False, OTHER
     nbytes = sum(t.numel() * t.element_size() for t in (*ins, *outs))
     dtype = next((t.dtype for t in ins if t.is_floating_point()), None)
-    return _flops(func, args, kwargs, out), nbytes, dtype, "convolution" in func.__name__, True
+    return _flops(func, args, kwargs, out), nbytes, dtype, "convolution" in func.__name__, True, _kernel_kind(func, args, dtype)
+
+
+#: Kinds of kernel, by how much of the datasheet they reach (TimeModel).
+OTHER, STREAMING, MISALIGNED, CONVOLUTION = 0, 1, 2, 3
+
+# Kernels that read and write every element once, in order, with no reduction
+# across elements, besides those PyTorch tags pointwise: copies and casts
+# (TensorIterator's copy kernel), fills, and the optimizers' multi-tensor
+# kernels (multi_tensor_apply: pointwise over a list of tensors).
+_STREAMING = {"_to_copy", "copy_", "copy", "clone", "fill_", "zero_", "zeros_like", "ones_like", "full_like",
+              "zeros", "ones", "full", "new_zeros", "new_ones", "new_full", "masked_fill_", "masked_fill"}
+# The matrix operands of the matrix products (their other arguments are added or scaled).
+_GEMM_OPERANDS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "_addmm_activation": (1, 2)}
+
+
+def _kernel_kind(func, args: tuple, dtype: torch.dtype | None) -> int:
+    """``STREAMING`` for an elementwise kernel, which streams its tensors
+    through memory and reaches more of the bandwidth than reductions,
+    normalisations, softmax, gathers and scatters (whose blocks wait on one
+    another or read with strides); ``MISALIGNED`` for a 16-bit matrix
+    product with a dimension that is not a multiple of 16 bytes: tensor
+    cores need 16-byte aligned rows (NVIDIA's Matrix Multiplication
+    Background guide, "Requirements to use Tensor Cores"), and cuBLAS falls
+    back to slower kernels (a vocabulary of 50257 is why nanoGPT pads it to
+    50304); ``CONVOLUTION`` for a convolution; else ``OTHER``."""
+    name = func.__name__.split(".")[0]
+    if "convolution" in name:
+        return CONVOLUTION
+    if name in _GEMM_OPERANDS:
+        a, b = (args[i] for i in _GEMM_OPERANDS[name])
+        if dtype in _HALF and any(n % 8 for n in (*a.shape[-2:], b.shape[-1])):
+            return MISALIGNED
+        return OTHER
+    if torch.Tag.pointwise in func.tags or name in _STREAMING or name.startswith("_foreach_"):
+        return STREAMING
+    return OTHER
 
 
 #: Meta kernels' results by signature, shared by every simulation in the process.

@@ -316,3 +316,45 @@ def test_a_cublas_workspace_per_thread_that_runs_matrix_products():
         assert alloc.workspaces(set) == 2 * 32 * MiB
         (x @ w).sum().backward()
         assert alloc.workspaces(set) == 2 * 32 * MiB
+
+
+def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
+    """Matrix products on tensor cores, in fp32, 16-bit ones with a dimension
+    that is not a multiple of 16 bytes, convolutions, elementwise kernels and
+    the others each reach their own share (TimeModel; measured kernel by
+    kernel, benchmarks/kernel_time.py)."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import CONVOLUTION, MISALIGNED, OTHER, STREAMING, SimulatedAllocator, TimeModel
+
+    gpu, tm = get_gpu("H200-141GB"), TimeModel()
+    alloc = SimulatedAllocator(gpu)
+    alloc.trace = []
+    bf16 = torch.bfloat16
+    with VirtualCUDA(gpu, allocator=alloc):
+        x = torch.empty(1024, 768, device="cuda", dtype=bf16)
+        torch.mm(x, torch.empty(768, 4096, device="cuda", dtype=bf16))  # aligned
+        torch.mm(x, torch.empty(768, 50257, device="cuda", dtype=bf16))  # GPT-2's vocabulary: 50257 % 8 != 0
+        torch.mm(x.float(), torch.empty(768, 50257, device="cuda"))  # fp32: no tensor cores, no such rule
+        x * 2
+        x.sum(0)
+        torch._foreach_add_([x, x], 1.0)
+        F.conv2d(torch.empty(8, 3, 32, 32, device="cuda"), torch.empty(16, 3, 3, 3, device="cuda"))
+    kernels = [row for row in alloc.trace if row[2] >= 0]  # torch.empty launches none
+    assert [row[7] for row in kernels] == [OTHER, MISALIGNED, STREAMING, OTHER, STREAMING, OTHER, STREAMING, CONVOLUTION]
+    assert [row[2] for row in kernels][:4] == [2, 2, 2, 0]  # bf16, bf16, the cast reads bf16, fp32
+
+    flops, nbytes = 2 * 1024 * 768 * 4096, 4096 * 1024
+    tensor_cores = gpu.bf16_tflops * 1e12
+    assert tm.seconds(gpu, flops, 0, bf16) == flops / (tensor_cores * tm.flop_efficiency) + tm.per_kernel
+    assert tm.seconds(gpu, flops, 0, bf16, kind=MISALIGNED) == (
+        flops / (tensor_cores * tm.misaligned_flop_efficiency) + tm.per_kernel)
+    assert tm.seconds(gpu, flops, 0, torch.float32) == (
+        flops / (gpu.fp32_tflops * 1e12 * tm.fp32_flop_efficiency) + tm.per_kernel)
+    assert tm.seconds(gpu, flops, 0, torch.float32, tf32=True, kind=CONVOLUTION) == (
+        flops / (gpu.tf32_tflops * 1e12 * tm.convolution_flop_efficiency) + tm.per_kernel)
+    assert tm.seconds(gpu, 0, nbytes, bf16, kind=STREAMING) == (
+        nbytes / (gpu.memory_bandwidth * tm.streaming_bandwidth_efficiency) + tm.per_kernel)
+    assert tm.seconds(gpu, 0, nbytes, bf16) == nbytes / (gpu.memory_bandwidth * tm.bandwidth_efficiency) + tm.per_kernel
+    # The misaligned product is the slower of the two 16-bit ones by more than its extra arithmetic.
+    aligned, misaligned = (tm.seconds(gpu, row[0], row[1], bf16, kind=row[7]) for row in kernels[:2])
+    assert misaligned / aligned > 50257 / 4096 * 2
