@@ -4,17 +4,17 @@
     python benchmarks/kernel_time.py fit [--out DIR]       # anywhere: kernel-time-fit.json
 
 ``measure`` runs one steady training step (after three) of each workload
-(benchmarks/suite.py's models at their suite sizes, fp32 and bf16 autocast,
-AdamW) under ``torch.profiler`` and keeps, per operator and input shapes,
+(benchmarks/suite.py's models at their suite sizes, AdamW; fp32, fp32 with
+TF32 matrix products, bf16 autocast) under ``torch.profiler`` and keeps, per operator and input shapes,
 the calls and the device time of the kernels each launched itself. ``fit``
 simulates the same steps on the H200 and sets each kind of kernel of
 ``memprof.simulate.TimeModel`` (``_kernel_kind``) against the measured time
 of the same operators:
 
 * matrix products: their arithmetic from the measured shapes (2 M N K per
-  product) over their measured time, at the dtype's rate, for the products
-  the arithmetic bounds (fp32; 16-bit; 16-bit with a dimension that is not a
-  multiple of 16 bytes);
+  product) over their measured time, at the rate they run at, for the
+  products the arithmetic bounds (fp32; TF32; 16-bit; on tensor cores with a
+  dimension that is not a multiple of 16 bytes, at the 16-bit rate);
 * convolutions: the simulated arithmetic over the measured time, at the
   rate they run at (16-bit, or TF32 as cuDNN allows by default);
 * every other kernel: the simulated bytes over the measured time, per
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import contextlib
 import importlib
 import json
 import os
@@ -53,7 +54,8 @@ from suite import workload  # noqa: E402
 from memprof.advisor import default_plans  # noqa: E402
 
 WORKLOADS = ("llama", "gpt2", "bert", "vit_b_16", "deep_mlp", "resnet50")
-PLANS = ("baseline", "bf16")
+#: Plans: "tf32" is the baseline with torch.backends.cuda.matmul.allow_tf32 on.
+PLANS = ("baseline", "tf32", "bf16")
 #: The matrix operands of the products, by the profiler's operator name.
 GEMM = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
 
@@ -68,18 +70,19 @@ def measure(out: Path) -> None:
         for plan in PLANS:
             torch.cuda.empty_cache()
             w = workload(model, "cuda")
-            for s in default_plans()[plan]():
+            for s in default_plans()[_plan(plan)]():
                 s.apply(w)
-            for _ in range(3):
-                w.step()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            w.step()
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - t
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            with _tf32(plan):
+                for _ in range(3):
+                    w.step()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
                 w.step()
                 torch.cuda.synchronize()
+                seconds = time.perf_counter() - t
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+                    w.step()
+                    torch.cuda.synchronize()
             ops: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
             for e in prof.key_averages(group_by_input_shape=True):
                 if e.device_type.name == "CPU" and e.self_device_time_total > 0:
@@ -94,6 +97,20 @@ def measure(out: Path) -> None:
     (out / "kernel-time-measured.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=0) + "\n")
 
 
+def _plan(plan: str) -> str:
+    return "baseline" if plan == "tf32" else plan
+
+
+@contextlib.contextmanager
+def _tf32(plan: str):
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = plan == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def _family(name: str) -> str:
     name = name.removeprefix("aten::")
     if name in ("_to_copy", "copy_", "copy"):
@@ -101,8 +118,9 @@ def _family(name: str) -> str:
     return "convolution" if name == "cudnn_convolution" else name.rstrip("_")
 
 
-def simulated(model: str, plan: str, gpu) -> dict[str, list]:
-    """Per operator family of a steady simulated step: [calls, flops, bytes, kind, precision]."""
+def simulated(model: str, plan: str, gpu) -> tuple[dict[str, list], float]:
+    """Per operator family of a steady simulated step: [calls, flops, bytes, kind, precision];
+    and the step's simulated seconds (memprof's TimeModel as shipped)."""
     from memprof.simulate import SimulatedAllocator, _state_tensors
     from memprof.virtual_cuda import VirtualCUDA
 
@@ -120,7 +138,8 @@ def simulated(model: str, plan: str, gpu) -> dict[str, list]:
             r[1] += flops
             r[2] += nbytes
             r[3] = kind
-            r[4] = 2 if dtype in (torch.float16, torch.bfloat16) else (1 if conv and torch.backends.cudnn.allow_tf32 else 0)
+            tf32 = torch.backends.cudnn.allow_tf32 if conv else torch.backends.cuda.matmul.allow_tf32
+            r[4] = 2 if dtype in (torch.float16, torch.bfloat16) else (1 if tf32 else 0)
         return out, c
 
     alloc = SimulatedAllocator(gpu)
@@ -130,15 +149,18 @@ def simulated(model: str, plan: str, gpu) -> dict[str, list]:
             with torch.device("meta"):
                 w = workload(model, "cuda")
             alloc.adopt(_state_tensors(w.model, w.optimizer))
-            for s in default_plans(gpu=gpu)[plan]():
+            for s in default_plans(gpu=gpu)[_plan(plan)]():
                 s.apply_simulated(w)
-            w.step()
-            w.step()
-            record = True
-            w.step()
+            with _tf32(plan):
+                w.step()
+                w.step()
+                record = True
+                start = alloc.clock()
+                w.step()
+                seconds = alloc.clock() - start
     finally:
         sim.KernelCache.run = run
-    return dict(rows)
+    return dict(rows), seconds
 
 
 def fit(out: Path) -> None:
@@ -152,8 +174,8 @@ def fit(out: Path) -> None:
     per_workload = {}
     for key, run in measured.items():
         model, plan = key.split("|")
-        half = plan != "baseline"
-        sim = simulated(model, plan, gpu)
+        precision = {"baseline": 0, "tf32": 1, "bf16": 2}[plan]
+        sim, predicted = simulated(model, plan, gpu)
         families: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
         for op, (calls, seconds) in run["ops"].items():
             name, shapes = op.split("|", 1)
@@ -168,13 +190,15 @@ def fit(out: Path) -> None:
             a, b = (sh[i] for i in GEMM[name])
             m, k, n = a[-2], a[-1], b[-1]
             batch = a[0] if len(a) == 3 else 1
-            size = 2 if half else 4
+            size = 2 if precision == 2 else 4
             flops = 2 * batch * m * n * k * calls
             nbytes = (batch * (m * k + k * n + m * n)) * size * calls
-            rate = rates[2 if half else 0]
+            rate = rates[precision]
             if flops / rate < nbytes / gpu.memory_bandwidth:
                 continue  # the bytes bound it: says nothing of the arithmetic rate
-            kind = ("16-bit misaligned" if any(x % 8 for x in (m, k, n)) else "16-bit") if half else "fp32"
+            kind = ("fp32", "TF32", "16-bit")[precision]
+            if precision and any(x % (16 // size) for x in (m, k, n)):
+                kind, rate = "misaligned, of the 16-bit rate", rates[2]  # on tensor cores (TimeModel.seconds)
             rows["matmul " + kind].append((flops / rate, calls, seconds))
         for family, (calls, flops, nbytes, kind, precision) in sim.items():
             if family in ("mm", "addmm", "bmm", "baddbmm") or family not in families:
@@ -184,7 +208,8 @@ def fit(out: Path) -> None:
             else:
                 name, amount = ("elementwise" if kind == STREAMING else "other"), nbytes / gpu.memory_bandwidth
             rows[name].append((amount, families[family][0], families[family][1]))
-        per_workload[key] = {"step_seconds": run["step_seconds"],
+        per_workload[key] = {"step_seconds": run["step_seconds"], "predicted_step_seconds": predicted,
+                             "step_error": predicted / run["step_seconds"] - 1,
                              "kernel_seconds": sum(r[1] for k, r in run["ops"].items() if k.startswith("aten::"))}
         print(key, flush=True)
     shares = {kind: _share(r) for kind, r in sorted(rows.items())}

@@ -84,38 +84,41 @@ class TimeModel:
     kernels costs their rooflines, and a step of small ones (small
     micro-batches, recomputation) costs what the host needs to issue them.
 
-    The shares are measured kernel by kernel: 12 steps of 6 workloads
+    The shares are measured kernel by kernel: 18 steps of 6 workloads
     profiled on an H200, each kind's time against its work
     (benchmarks/kernel_time.py); a 16-bit matrix product reaches 0.87 of
     the tensor-core rate, one with a dimension that is not a multiple of
-    16 bytes 0.16. The host's constants, ``per_kernel`` and the link's share
-    are fitted to 114 steps of 5 workloads measured on an H200 over two
-    days (median |error| 4.9 %) and checked on 100 steps of 5 other
-    workloads they never saw (6.5 %, 7.8 % with one share for every kind):
+    16 bytes 0.14 of it. The host's constants, ``per_kernel`` and the link's
+    share are fitted to 114 steps of 5 workloads measured on an H200 over
+    two days (median |error| 4.8 %) and checked on 100 steps of 5 other
+    workloads they never saw (6.8 %, 7.8 % with one share for every kind):
     benchmarks/results/step-time.md. The worst errors
-    (50-60 %) are host-bound steps, whose measurement itself moves by 1.6x
-    between runs, and whose cost per operator differs by model (a Llama's
+    (50-65 %) are host-bound steps, whose measurement itself moves by up to
+    2x between days, and whose cost per operator differs by model (a Llama's
     recomputation costs less per operator than GPT-2's), which one constant
     per phase cannot follow. Copies reach ``link_efficiency`` of
     the link's nominal rate."""
 
     #: Shares of the datasheet a kernel reaches, by kind (:func:`_kernel_kind`):
-    #: a matrix product on tensor cores (16-bit, TF32), one in fp32 (no tensor
-    #: cores), a 16-bit one with a dimension that is not a multiple of 16 bytes,
-    #: a convolution (cuDNN, NCHW), each of its arithmetic rate; an elementwise
+    #: a matrix product on 16-bit tensor cores, on TF32 ones, in fp32 (no
+    #: tensor cores), a convolution (cuDNN, NCHW), each of its arithmetic rate;
+    #: a product on tensor cores with a dimension that is not a multiple of
+    #: 16 bytes, of the 16-bit rate whatever its precision (cuBLAS's kernels for
+    #: such rows run at about the same rate in TF32 and bf16); an elementwise
     #: kernel and any other one (reductions, normalisations, softmax, gathers,
     #: scatters) of the memory bandwidth.
-    flop_efficiency: float = 0.868
+    flop_efficiency: float = 0.873
+    tf32_flop_efficiency: float = 0.710
     fp32_flop_efficiency: float = 0.746
-    misaligned_flop_efficiency: float = 0.155
-    convolution_flop_efficiency: float = 0.210
-    bandwidth_efficiency: float = 0.384
-    streaming_bandwidth_efficiency: float = 0.721
+    misaligned_flop_efficiency: float = 0.139
+    convolution_flop_efficiency: float = 0.205
+    bandwidth_efficiency: float = 0.410
+    streaming_bandwidth_efficiency: float = 0.730
     per_kernel: float = 9.5e-6
     host_forward: float = 17.4e-6
     host_backward: float = 21.7e-6
-    host_convolution: float = 149e-6
-    host_recompute: float = 33.8e-6
+    host_convolution: float = 150e-6
+    host_recompute: float = 33.6e-6
     #: The share of the link's nominal rate a copy between the device and
     #: pinned host memory reaches (PCIe's packet and protocol overhead).
     link_efficiency: float = 0.82
@@ -138,20 +141,22 @@ class TimeModel:
                 kind: int = 0) -> float:
         """One kernel's device time; ``kind`` as :func:`_kernel_kind` gives it."""
         half = gpu.bf16_tflops or gpu.fp16_tflops or gpu.fp32_tflops
-        flop_efficiency = self.flop_efficiency
+        tensor_cores = True
         if dtype in _HALF:
-            rate = half
+            rate, flop_efficiency = half, self.flop_efficiency
         elif tf32 and gpu.compute_capability >= (8, 0):
-            # cuDNN convolutions may use TF32 by default (torch.backends.cudnn.allow_tf32),
-            # at the TF32 tensor-core rate (half the 16-bit rate where the GPU gives none);
-            # matmuls may not (allow_tf32 is off).
-            rate = gpu.tf32_tflops or half / 2
+            # TF32 where PyTorch allows it: cuDNN's convolutions by default
+            # (torch.backends.cudnn.allow_tf32), cuBLAS's matrix products when a
+            # script asks (torch.backends.cuda.matmul.allow_tf32, or
+            # set_float32_matmul_precision("high")); the TF32 tensor-core rate is
+            # half the 16-bit one where the GPU gives none.
+            rate, flop_efficiency = gpu.tf32_tflops or half / 2, self.tf32_flop_efficiency
         else:
-            rate, flop_efficiency = gpu.fp32_tflops, self.fp32_flop_efficiency
+            rate, flop_efficiency, tensor_cores = gpu.fp32_tflops, self.fp32_flop_efficiency, False
         if kind == CONVOLUTION:
             flop_efficiency = self.convolution_flop_efficiency
-        elif kind == MISALIGNED:
-            flop_efficiency = self.misaligned_flop_efficiency
+        elif kind == MISALIGNED and tensor_cores:
+            rate, flop_efficiency = half, self.misaligned_flop_efficiency
         compute = flops / (rate * 1e12 * flop_efficiency) if flops else 0.0
         efficiency = self.streaming_bandwidth_efficiency if kind == STREAMING else self.bandwidth_efficiency
         memory = nbytes / (gpu.memory_bandwidth * efficiency)
@@ -352,7 +357,8 @@ class SimulatedAllocator(TorchDispatchMode):
         kwargs = kwargs or {}
         out, cost = KERNELS.run(func, args, kwargs, _cost)
         backward = torch._C._current_graph_task_id() != -1  # autograd's engine is running
-        if len(self._workspaces) < 2 and backward not in self._workspaces and func.__name__.split(".")[0] in _MATMUL_OPS:
+        matmul = func.__name__.split(".")[0] in _MATMUL_OPS
+        if len(self._workspaces) < 2 and backward not in self._workspaces and matmul:
             # PyTorch keeps a cuBLAS workspace per handle and stream, and a handle per thread
             # (aten/src/ATen/cuda/CublasHandlePool.cpp): the training thread's, and on a GPU
             # autograd's device thread's, which runs backward's kernels. Each is taken at the
@@ -374,7 +380,7 @@ class SimulatedAllocator(TorchDispatchMode):
             if self.trace is not None:
                 self.trace.append((0, 0, -1, conv, backward, recompute, 1, 0))
             return out
-        tf32 = conv and torch.backends.cudnn.allow_tf32
+        tf32 = torch.backends.cudnn.allow_tf32 if conv else matmul and torch.backends.cuda.matmul.allow_tf32
         seconds = self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32, kind)
         self.device = max(self.device, self.host) + seconds
         if self.events is not None:
@@ -464,7 +470,7 @@ def _cost(func, args: tuple, kwargs: dict, out: Any):
         return 0, 0, None, False, False, OTHER
     nbytes = sum(t.numel() * t.element_size() for t in (*ins, *outs))
     dtype = next((t.dtype for t in ins if t.is_floating_point()), None)
-    return _flops(func, args, kwargs, out), nbytes, dtype, "convolution" in func.__name__, True, _kernel_kind(func, args, dtype)
+    return _flops(func, args, kwargs, out), nbytes, dtype, "convolution" in func.__name__, True, _kernel_kind(func, args)
 
 
 #: Kinds of kernel, by how much of the datasheet they reach (TimeModel).
@@ -480,13 +486,13 @@ _STREAMING = {"_to_copy", "copy_", "copy", "clone", "fill_", "zero_", "zeros_lik
 _GEMM_OPERANDS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "_addmm_activation": (1, 2)}
 
 
-def _kernel_kind(func, args: tuple, dtype: torch.dtype | None) -> int:
+def _kernel_kind(func, args: tuple) -> int:
     """``STREAMING`` for an elementwise kernel, which streams its tensors
     through memory and reaches more of the bandwidth than reductions,
     normalisations, softmax, gathers and scatters (whose blocks wait on one
-    another or read with strides); ``MISALIGNED`` for a 16-bit matrix
-    product with a dimension that is not a multiple of 16 bytes: tensor
-    cores need 16-byte aligned rows (NVIDIA's Matrix Multiplication
+    another or read with strides); ``MISALIGNED`` for a matrix product
+    with a dimension that is not a multiple of 16 bytes: tensor cores
+    (16-bit, TF32) need 16-byte aligned rows (NVIDIA's Matrix Multiplication
     Background guide, "Requirements to use Tensor Cores"), and cuBLAS falls
     back to slower kernels (a vocabulary of 50257 is why nanoGPT pads it to
     50304); ``CONVOLUTION`` for a convolution; else ``OTHER``."""
@@ -495,8 +501,9 @@ def _kernel_kind(func, args: tuple, dtype: torch.dtype | None) -> int:
         return CONVOLUTION
     if name in _GEMM_OPERANDS:
         a, b = (args[i] for i in _GEMM_OPERANDS[name])
-        if dtype in _HALF and any(n % 8 for n in (*a.shape[-2:], b.shape[-1])):
-            return MISALIGNED
+        per_16_bytes = 16 // a.element_size()
+        if a.is_floating_point() and any(n % per_16_bytes for n in (*a.shape[-2:], b.shape[-1])):
+            return MISALIGNED  # on tensor cores (16-bit, TF32): TimeModel.seconds
         return OTHER
     if torch.Tag.pointwise in func.tags or name in _STREAMING or name.startswith("_foreach_"):
         return STREAMING

@@ -334,22 +334,37 @@ def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
         x = torch.empty(1024, 768, device="cuda", dtype=bf16)
         torch.mm(x, torch.empty(768, 4096, device="cuda", dtype=bf16))  # aligned
         torch.mm(x, torch.empty(768, 50257, device="cuda", dtype=bf16))  # GPT-2's vocabulary: 50257 % 8 != 0
-        torch.mm(x.float(), torch.empty(768, 50257, device="cuda"))  # fp32: no tensor cores, no such rule
+        w = torch.empty(768, 50257, device="cuda")
+        torch.mm(x.float(), w)  # fp32: no tensor cores
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.set_float32_matmul_precision("high")  # as nanoGPT and Lightning's examples do: TF32 tensor cores
+        try:
+            torch.mm(x.float(), w)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
         x * 2
         x.sum(0)
         torch._foreach_add_([x, x], 1.0)
         F.conv2d(torch.empty(8, 3, 32, 32, device="cuda"), torch.empty(16, 3, 3, 3, device="cuda"))
     kernels = [row for row in alloc.trace if row[2] >= 0]  # torch.empty launches none
-    assert [row[7] for row in kernels] == [OTHER, MISALIGNED, STREAMING, OTHER, STREAMING, OTHER, STREAMING, CONVOLUTION]
-    assert [row[2] for row in kernels][:4] == [2, 2, 2, 0]  # bf16, bf16, the cast reads bf16, fp32
+    assert [row[7] for row in kernels] == [
+        OTHER, MISALIGNED, STREAMING, MISALIGNED, STREAMING, MISALIGNED, STREAMING, OTHER, STREAMING, CONVOLUTION]
+    # bf16, bf16, the cast reads bf16, fp32, the cast, TF32, ...; cuDNN's convolutions take TF32 by default
+    assert [row[2] for row in kernels] == [2, 2, 2, 0, 2, 1, 2, 2, 2, 1]
 
     flops, nbytes = 2 * 1024 * 768 * 4096, 4096 * 1024
     tensor_cores = gpu.bf16_tflops * 1e12
     assert tm.seconds(gpu, flops, 0, bf16) == flops / (tensor_cores * tm.flop_efficiency) + tm.per_kernel
     assert tm.seconds(gpu, flops, 0, bf16, kind=MISALIGNED) == (
         flops / (tensor_cores * tm.misaligned_flop_efficiency) + tm.per_kernel)
-    assert tm.seconds(gpu, flops, 0, torch.float32) == (
-        flops / (gpu.fp32_tflops * 1e12 * tm.fp32_flop_efficiency) + tm.per_kernel)
+    for kind in (OTHER, MISALIGNED):  # fp32 products are not on tensor cores: their rows' alignment does not matter
+        assert tm.seconds(gpu, flops, 0, torch.float32, kind=kind) == (
+            flops / (gpu.fp32_tflops * 1e12 * tm.fp32_flop_efficiency) + tm.per_kernel)
+    assert tm.seconds(gpu, flops, 0, torch.float32, tf32=True) == (
+        flops / (gpu.tf32_tflops * 1e12 * tm.tf32_flop_efficiency) + tm.per_kernel)
+    # Misaligned rows on tensor cores: a share of the 16-bit rate, in TF32 as in bf16.
+    assert tm.seconds(gpu, flops, 0, torch.float32, tf32=True, kind=MISALIGNED) == (
+        flops / (tensor_cores * tm.misaligned_flop_efficiency) + tm.per_kernel)
     assert tm.seconds(gpu, flops, 0, torch.float32, tf32=True, kind=CONVOLUTION) == (
         flops / (gpu.tf32_tflops * 1e12 * tm.convolution_flop_efficiency) + tm.per_kernel)
     assert tm.seconds(gpu, 0, nbytes, bf16, kind=STREAMING) == (
