@@ -15,8 +15,10 @@ of the same operators:
   product) over their measured time, at the rate they run at, for the
   products the arithmetic bounds (fp32; TF32; 16-bit; on tensor cores with a
   dimension that is not a multiple of 16 bytes, at the 16-bit rate);
-* convolutions: the simulated arithmetic over the measured time, at the
-  rate they run at (16-bit, or TF32 as cuDNN allows by default);
+* convolutions and fused attention: the simulated arithmetic over the
+  measured time, at the rate they run at (16-bit, or TF32 as cuDNN allows
+  convolutions by default; the attention backend the GPU ran may differ
+  from the one the simulation, on another torch, chose);
 * every other kernel: the simulated bytes over the measured time, per
   operator family (PyTorch names the kernel of a cast ``copy_``, the
   simulation sees ``_to_copy``; autograd accumulates gradients with ``add_``
@@ -115,6 +117,8 @@ def _family(name: str) -> str:
     name = name.removeprefix("aten::")
     if name in ("_to_copy", "copy_", "copy"):
         return "copy"
+    if "attention" in name:  # the GPU's kernel names and the simulation's operators differ; so may the backend
+        return "attention backward" if "backward" in name else "attention"
     return "convolution" if name == "cudnn_convolution" else name.rstrip("_")
 
 
@@ -138,7 +142,8 @@ def simulated(model: str, plan: str, gpu) -> tuple[dict[str, list], float]:
             r[1] += flops
             r[2] += nbytes
             r[3] = kind
-            tf32 = torch.backends.cudnn.allow_tf32 if conv else torch.backends.cuda.matmul.allow_tf32
+            tf32 = torch.backends.cudnn.allow_tf32 if conv else (
+                func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm") and torch.backends.cuda.matmul.allow_tf32)
             r[4] = 2 if dtype in (torch.float16, torch.bfloat16) else (1 if tf32 else 0)
         return out, c
 
@@ -165,7 +170,7 @@ def simulated(model: str, plan: str, gpu) -> tuple[dict[str, list], float]:
 
 def fit(out: Path) -> None:
     from memprof.devices import get_gpu
-    from memprof.simulate import CONVOLUTION, STREAMING
+    from memprof.simulate import ATTENTION, CONVOLUTION, STREAMING
 
     gpu = get_gpu("H200-141GB")
     measured = json.loads((out / "kernel-time-measured.json").read_text())["runs"]
@@ -203,8 +208,8 @@ def fit(out: Path) -> None:
         for family, (calls, flops, nbytes, kind, precision) in sim.items():
             if family in ("mm", "addmm", "bmm", "baddbmm") or family not in families:
                 continue
-            if kind == CONVOLUTION:
-                name, amount = "convolution", flops / rates[precision]
+            if kind in (CONVOLUTION, ATTENTION):
+                name, amount = ("convolution" if kind == CONVOLUTION else "attention"), flops / rates[precision]
             else:
                 name, amount = ("elementwise" if kind == STREAMING else "other"), nbytes / gpu.memory_bandwidth
             rows[name].append((amount, families[family][0], families[family][1]))

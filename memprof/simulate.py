@@ -90,8 +90,8 @@ class TimeModel:
     the tensor-core rate, one with a dimension that is not a multiple of
     16 bytes 0.14 of it. The host's constants, ``per_kernel`` and the link's
     share are fitted to 114 steps of 5 workloads measured on an H200 over
-    two days (median |error| 4.8 %) and checked on 100 steps of 5 other
-    workloads they never saw (6.8 %, 7.8 % with one share for every kind):
+    two days (median |error| 3.1 %) and checked on 100 steps of 5 other
+    workloads they never saw (6.0 %, 7.8 % with one share for every kind):
     benchmarks/results/step-time.md. The worst errors
     (50-65 %) are host-bound steps, whose measurement itself moves by up to
     2x between days, and whose cost per operator differs by model (a Llama's
@@ -101,7 +101,8 @@ class TimeModel:
 
     #: Shares of the datasheet a kernel reaches, by kind (:func:`_kernel_kind`):
     #: a matrix product on 16-bit tensor cores, on TF32 ones, in fp32 (no
-    #: tensor cores), a convolution (cuDNN, NCHW), each of its arithmetic rate;
+    #: tensor cores), a convolution (cuDNN, NCHW), a fused attention kernel
+    #: (flash, memory-efficient, cuDNN), each of its arithmetic rate;
     #: a product on tensor cores with a dimension that is not a multiple of
     #: 16 bytes, of the 16-bit rate whatever its precision (cuBLAS's kernels for
     #: such rows run at about the same rate in TF32 and bf16); an elementwise
@@ -112,13 +113,14 @@ class TimeModel:
     fp32_flop_efficiency: float = 0.746
     misaligned_flop_efficiency: float = 0.139
     convolution_flop_efficiency: float = 0.205
+    attention_flop_efficiency: float = 0.480
     bandwidth_efficiency: float = 0.410
     streaming_bandwidth_efficiency: float = 0.730
-    per_kernel: float = 9.5e-6
-    host_forward: float = 17.4e-6
-    host_backward: float = 21.7e-6
-    host_convolution: float = 150e-6
-    host_recompute: float = 33.6e-6
+    per_kernel: float = 10.4e-6
+    host_forward: float = 15.4e-6
+    host_backward: float = 22.7e-6
+    host_convolution: float = 152e-6
+    host_recompute: float = 35.1e-6
     #: The share of the link's nominal rate a copy between the device and
     #: pinned host memory reaches (PCIe's packet and protocol overhead).
     link_efficiency: float = 0.82
@@ -155,6 +157,8 @@ class TimeModel:
             rate, flop_efficiency, tensor_cores = gpu.fp32_tflops, self.fp32_flop_efficiency, False
         if kind == CONVOLUTION:
             flop_efficiency = self.convolution_flop_efficiency
+        elif kind == ATTENTION:
+            flop_efficiency = self.attention_flop_efficiency
         elif kind == MISALIGNED and tensor_cores:
             rate, flop_efficiency = half, self.misaligned_flop_efficiency
         compute = flops / (rate * 1e12 * flop_efficiency) if flops else 0.0
@@ -470,11 +474,30 @@ def _cost(func, args: tuple, kwargs: dict, out: Any):
         return 0, 0, None, False, False, OTHER
     nbytes = sum(t.numel() * t.element_size() for t in (*ins, *outs))
     dtype = next((t.dtype for t in ins if t.is_floating_point()), None)
-    return _flops(func, args, kwargs, out), nbytes, dtype, "convolution" in func.__name__, True, _kernel_kind(func, args)
+    kind, flops = _kernel_kind(func, args), _flops(func, args, kwargs, out)
+    if kind == ATTENTION:
+        flops = int(flops * _causal_share(func, args, kwargs))
+    return flops, nbytes, dtype, "convolution" in func.__name__, True, kind
+
+
+def _causal_share(func, args: tuple, kwargs: dict) -> float:
+    """The share of an attention kernel's full arithmetic (PyTorch's flop
+    counter counts every query against every key) that a causal one does:
+    flash-style kernels skip the tiles above the diagonal, n (n + 1) / 2 of
+    n x n tiles of 128 queries (FlashAttention-2, section 3.1.1)."""
+    names = [a.name for a in func._schema.arguments]
+    if "is_causal" not in names:
+        return 1.0
+    i = names.index("is_causal")
+    if not (args[i] if len(args) > i else kwargs.get("is_causal", False)):
+        return 1.0
+    query = args[1] if "backward" in func.__name__ else args[0]  # a backward's first argument is the output's gradient
+    n = -(-query.shape[-2] // 128)
+    return (n + 1) / (2 * n)
 
 
 #: Kinds of kernel, by how much of the datasheet they reach (TimeModel).
-OTHER, STREAMING, MISALIGNED, CONVOLUTION = 0, 1, 2, 3
+OTHER, STREAMING, MISALIGNED, CONVOLUTION, ATTENTION = 0, 1, 2, 3, 4
 
 # Kernels that read and write every element once, in order, with no reduction
 # across elements, besides those PyTorch tags pointwise: copies and casts
@@ -495,10 +518,14 @@ def _kernel_kind(func, args: tuple) -> int:
     (16-bit, TF32) need 16-byte aligned rows (NVIDIA's Matrix Multiplication
     Background guide, "Requirements to use Tensor Cores"), and cuBLAS falls
     back to slower kernels (a vocabulary of 50257 is why nanoGPT pads it to
-    50304); ``CONVOLUTION`` for a convolution; else ``OTHER``."""
+    50304); ``CONVOLUTION`` for a convolution, ``ATTENTION`` for a fused
+    attention kernel (two products with a softmax between them, in one
+    kernel); else ``OTHER``."""
     name = func.__name__.split(".")[0]
     if "convolution" in name:
         return CONVOLUTION
+    if "attention" in name:
+        return ATTENTION
     if name in _GEMM_OPERANDS:
         a, b = (args[i] for i in _GEMM_OPERANDS[name])
         per_16_bytes = 16 // a.element_size()

@@ -324,7 +324,8 @@ def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
     the others each reach their own share (TimeModel; measured kernel by
     kernel, benchmarks/kernel_time.py)."""
     from memprof.devices import get_gpu
-    from memprof.simulate import CONVOLUTION, MISALIGNED, OTHER, STREAMING, SimulatedAllocator, TimeModel
+    from memprof.simulate import (
+        ATTENTION, CONVOLUTION, MISALIGNED, OTHER, STREAMING, SimulatedAllocator, TimeModel)
 
     gpu, tm = get_gpu("H200-141GB"), TimeModel()
     alloc = SimulatedAllocator(gpu)
@@ -346,11 +347,19 @@ def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
         x.sum(0)
         torch._foreach_add_([x, x], 1.0)
         F.conv2d(torch.empty(8, 3, 32, 32, device="cuda"), torch.empty(16, 3, 3, 3, device="cuda"))
+        q = torch.empty(2, 4, 256, 64, device="cuda", dtype=bf16)
+        F.scaled_dot_product_attention(q, q, q)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
     kernels = [row for row in alloc.trace if row[2] >= 0]  # torch.empty launches none
     assert [row[7] for row in kernels] == [
-        OTHER, MISALIGNED, STREAMING, MISALIGNED, STREAMING, MISALIGNED, STREAMING, OTHER, STREAMING, CONVOLUTION]
+        OTHER, MISALIGNED, STREAMING, MISALIGNED, STREAMING, MISALIGNED, STREAMING, OTHER, STREAMING, CONVOLUTION,
+        ATTENTION, ATTENTION]
     # bf16, bf16, the cast reads bf16, fp32, the cast, TF32, ...; cuDNN's convolutions take TF32 by default
-    assert [row[2] for row in kernels] == [2, 2, 2, 0, 2, 1, 2, 2, 2, 1]
+    assert [row[2] for row in kernels] == [2, 2, 2, 0, 2, 1, 2, 2, 2, 1, 2, 2]
+    # Attention: 2 products of 2 x 256 x 256 x 64 per head; a causal kernel skips the tiles above the
+    # diagonal: 3 of 2 x 2 tiles of 128 queries.
+    full = 2 * 2 * (2 * 4 * 256 * 256 * 64)
+    assert [row[0] for row in kernels[-2:]] == [full, full * 3 // 4]
 
     flops, nbytes = 2 * 1024 * 768 * 4096, 4096 * 1024
     tensor_cores = gpu.bf16_tflops * 1e12
@@ -370,6 +379,8 @@ def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
     assert tm.seconds(gpu, 0, nbytes, bf16, kind=STREAMING) == (
         nbytes / (gpu.memory_bandwidth * tm.streaming_bandwidth_efficiency) + tm.per_kernel)
     assert tm.seconds(gpu, 0, nbytes, bf16) == nbytes / (gpu.memory_bandwidth * tm.bandwidth_efficiency) + tm.per_kernel
+    assert tm.seconds(gpu, flops, 0, bf16, kind=ATTENTION) == (
+        flops / (tensor_cores * tm.attention_flop_efficiency) + tm.per_kernel)
     # The misaligned product is the slower of the two 16-bit ones by more than its extra arithmetic.
     aligned, misaligned = (tm.seconds(gpu, row[0], row[1], bf16, kind=row[7]) for row in kernels[:2])
     assert misaligned / aligned > 50257 / 4096 * 2
