@@ -5,8 +5,9 @@
 
 ``measure`` runs one steady training step (after three) of each workload
 (benchmarks/suite.py's models at their suite sizes, AdamW; fp32, fp32 with
-TF32 matrix products, bf16 autocast) under ``torch.profiler`` and keeps, per operator and input shapes,
-the calls and the device time of the kernels each launched itself. ``fit``
+TF32 matrix products, bf16 autocast) under ``torch.profiler`` and keeps,
+per operator and input shapes, the calls and the device time of the
+kernels each launched itself. ``fit``
 simulates the same steps on the H200 and sets each kind of kernel of
 ``memprof.simulate.TimeModel`` (``_kernel_kind``) against the measured time
 of the same operators:

@@ -13,7 +13,9 @@ measurement of the fit set's GPT-2 16 x 1024 and BERT 32 x 512 to the fit
 (one host's speed varies from day to day: the fit takes both days), and
 ViT-B/16 at 128 and the Llama to the check. ``fit`` simulates each plan on the
 H200 (activation offload's pack as the measured torch did it) and fits
-``memprof.simulate.TimeModel``'s constants to the measured steps by
+``memprof.simulate.TimeModel``'s host constants, gap per kernel and link
+share to the measured steps (the kernels' shares of the datasheet are
+measured kernel by kernel, benchmarks/kernel_time.py, and kept) by
 coordinate descent on the mean |log| of predicted over measured; it reports
 the error per plan and per workload for both sets, next to the constants
 memprof ships, and the plan the advisor would choose in 12 and 24 GiB.
@@ -122,10 +124,9 @@ PER_KERNEL = ("flop_efficiency", "tf32_flop_efficiency", "fp32_flop_efficiency",
 PARAMS = tuple(f.name for f in fields(TimeModel))
 
 
-def step_seconds(tr: np.ndarray, gpu, fe: float, te: float, f32e: float, mfe: float, ce: float, ae: float, be: float,
-                 sbe: float,
-                 per_kernel: float, host_forward: float,
-                 host_backward: float, host_convolution: float, host_recompute: float, link: float) -> float:
+def step_seconds(tr: np.ndarray, gpu, fe: float, te: float, f32e: float, mfe: float, ce: float, ae: float,
+                 be: float, sbe: float, per_kernel: float, host_forward: float, host_backward: float,
+                 host_convolution: float, host_recompute: float, link: float) -> float:
     """TimeModel on a trace, vectorised. The host issues row j at the sum of
     the issue costs up to it; the device runs each kernel (or transfer) once
     issued and the previous one is done, so between two synchronisations (a
@@ -218,7 +219,8 @@ def fit(out: Path) -> None:
     from memprof.devices import get_gpu
 
     gpu = get_gpu("H200-141GB")
-    cache = out / "step-time-traces.npz"  # not kept in the repository: made again when absent
+    # Not kept in the repository: made again when absent (delete it when the simulation changes).
+    cache = out / "step-time-traces.npz"
     kept = {k: v for k, v in np.load(cache).items() if v.shape[1:] == (COLUMNS,)} if cache.exists() else {}
     rows = _measurements(out)
     for r in rows:
