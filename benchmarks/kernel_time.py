@@ -120,6 +120,8 @@ def _family(name: str) -> str:
         return "copy"
     if "attention" in name:  # the GPU's kernel names and the simulation's operators differ; so may the backend
         return "attention backward" if "backward" in name else "attention"
+    if name.startswith("cudnn_batch_norm"):  # the simulation sees the operator PyTorch dispatches to its kernels
+        return name.replace("cudnn_batch_norm", "native_batch_norm")
     return "convolution" if name == "cudnn_convolution" else name.rstrip("_")
 
 
@@ -171,7 +173,7 @@ def simulated(model: str, plan: str, gpu) -> tuple[dict[str, list], float]:
 
 def fit(out: Path) -> None:
     from memprof.devices import get_gpu
-    from memprof.simulate import ATTENTION, CONVOLUTION, STREAMING
+    from memprof.simulate import ATTENTION, CONVOLUTION, NATIVE_BATCH_NORM, STREAMING
 
     gpu = get_gpu("H200-141GB")
     measured = json.loads((out / "kernel-time-measured.json").read_text())["runs"]
@@ -212,7 +214,8 @@ def fit(out: Path) -> None:
             if kind in (CONVOLUTION, ATTENTION):
                 name, amount = ("convolution" if kind == CONVOLUTION else "attention"), flops / rates[precision]
             else:
-                name, amount = ("elementwise" if kind == STREAMING else "other"), nbytes / gpu.memory_bandwidth
+                name = {STREAMING: "elementwise", NATIVE_BATCH_NORM: "batch norm, PyTorch's kernel"}.get(kind, "other")
+                amount = nbytes / gpu.memory_bandwidth
             rows[name].append((amount, families[family][0], families[family][1]))
         per_workload[key] = {"step_seconds": run["step_seconds"], "predicted_step_seconds": predicted,
                              "step_error": predicted / run["step_seconds"] - 1,

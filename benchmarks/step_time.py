@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from suite import workload  # noqa: E402
 
 from memprof.advisor import _measure, default_plans  # noqa: E402
-from memprof.simulate import ATTENTION, CONVOLUTION, MISALIGNED, STREAMING, TimeModel  # noqa: E402
+from memprof.simulate import ATTENTION, CONVOLUTION, MISALIGNED, NATIVE_BATCH_NORM, STREAMING, TimeModel  # noqa: E402
 
 SETS = {
     "fit": [("gpt2", (16, 1024)), ("gpt2", (4, 256)), ("bert", (32, 512)), ("deep_mlp", (64,)), ("resnet50", (64,))],
@@ -119,13 +119,13 @@ COLUMNS = 8  # of a trace row; a cached trace of another width is made again
 #: TimeModel's kernel efficiencies, measured kernel by kernel (benchmarks/kernel_time.py), not fitted here.
 PER_KERNEL = ("flop_efficiency", "tf32_flop_efficiency", "fp32_flop_efficiency", "misaligned_flop_efficiency",
               "convolution_flop_efficiency", "attention_flop_efficiency", "bandwidth_efficiency",
-              "streaming_bandwidth_efficiency")
+              "streaming_bandwidth_efficiency", "native_batch_norm_bandwidth_efficiency")
 #: TimeModel's constants, in the order step_seconds takes them.
 PARAMS = tuple(f.name for f in fields(TimeModel))
 
 
 def step_seconds(tr: np.ndarray, gpu, fe: float, te: float, f32e: float, mfe: float, ce: float, ae: float,
-                 be: float, sbe: float, per_kernel: float, host_forward: float, host_backward: float,
+                 be: float, sbe: float, nbe: float, per_kernel: float, host_forward: float, host_backward: float,
                  host_convolution: float, host_recompute: float, link: float) -> float:
     """TimeModel on a trace, vectorised. The host issues row j at the sum of
     the issue costs up to it; the device runs each kernel (or transfer) once
@@ -147,7 +147,7 @@ def step_seconds(tr: np.ndarray, gpu, fe: float, te: float, f32e: float, mfe: fl
     rates = np.where(misaligned, rates[2], rates[precision]) * np.select(
         [kinds == CONVOLUTION, kinds == ATTENTION, misaligned, precision == 0, precision == 1], [ce, ae, mfe, f32e, te], fe)
     kernel, transfer = kind >= 0, kind <= -2
-    bandwidth = gpu.memory_bandwidth * np.where(kinds == STREAMING, sbe, be)
+    bandwidth = gpu.memory_bandwidth * np.select([kinds == STREAMING, kinds == NATIVE_BATCH_NORM], [sbe, nbe], be)
     roof = np.maximum(flops / rates, nbytes / bandwidth) + per_kernel
     dev = np.where(kernel, roof, np.where(transfer, nbytes / (gpu.pcie_bandwidth * link), 0.0))
     n = len(tr)

@@ -90,7 +90,7 @@ class TimeModel:
     the tensor-core rate, one with a dimension that is not a multiple of
     16 bytes 0.14 of it. The host's constants, ``per_kernel`` and the link's
     share are fitted to 114 steps of 5 workloads measured on an H200 over
-    two days (median |error| 3.1 %) and checked on 100 steps of 5 other
+    two days (median |error| 3.6 %) and checked on 100 steps of 5 other
     workloads they never saw (6.0 %, 7.8 % with one share for every kind):
     benchmarks/results/step-time.md. The worst errors
     (50-65 %) are host-bound steps, whose measurement itself moves by up to
@@ -106,21 +106,23 @@ class TimeModel:
     #: a product on tensor cores with a dimension that is not a multiple of
     #: 16 bytes, of the 16-bit rate whatever its precision (cuBLAS's kernels for
     #: such rows run at about the same rate in TF32 and bf16); an elementwise
-    #: kernel and any other one (reductions, normalisations, softmax, gathers,
-    #: scatters) of the memory bandwidth.
+    #: kernel, PyTorch's own batch norm (where cuDNN's is not used) and any other
+    #: kernel (reductions, normalisations, softmax, gathers, scatters) of the
+    #: memory bandwidth.
     flop_efficiency: float = 0.873
     tf32_flop_efficiency: float = 0.710
     fp32_flop_efficiency: float = 0.746
     misaligned_flop_efficiency: float = 0.139
     convolution_flop_efficiency: float = 0.205
     attention_flop_efficiency: float = 0.480
-    bandwidth_efficiency: float = 0.410
+    bandwidth_efficiency: float = 0.429
     streaming_bandwidth_efficiency: float = 0.730
-    per_kernel: float = 10.4e-6
-    host_forward: float = 15.4e-6
-    host_backward: float = 22.7e-6
-    host_convolution: float = 152e-6
-    host_recompute: float = 35.1e-6
+    native_batch_norm_bandwidth_efficiency: float = 0.103
+    per_kernel: float = 10.6e-6
+    host_forward: float = 14.0e-6
+    host_backward: float = 23.2e-6
+    host_convolution: float = 126e-6
+    host_recompute: float = 36.7e-6
     #: The share of the link's nominal rate a copy between the device and
     #: pinned host memory reaches (PCIe's packet and protocol overhead).
     link_efficiency: float = 0.82
@@ -162,7 +164,8 @@ class TimeModel:
         elif kind == MISALIGNED and tensor_cores:
             rate, flop_efficiency = half, self.misaligned_flop_efficiency
         compute = flops / (rate * 1e12 * flop_efficiency) if flops else 0.0
-        efficiency = self.streaming_bandwidth_efficiency if kind == STREAMING else self.bandwidth_efficiency
+        efficiency = {STREAMING: self.streaming_bandwidth_efficiency,
+                      NATIVE_BATCH_NORM: self.native_batch_norm_bandwidth_efficiency}.get(kind, self.bandwidth_efficiency)
         memory = nbytes / (gpu.memory_bandwidth * efficiency)
         return max(compute, memory) + self.per_kernel
 
@@ -497,7 +500,7 @@ def _causal_share(func, args: tuple, kwargs: dict) -> float:
 
 
 #: Kinds of kernel, by how much of the datasheet they reach (TimeModel).
-OTHER, STREAMING, MISALIGNED, CONVOLUTION, ATTENTION = 0, 1, 2, 3, 4
+OTHER, STREAMING, MISALIGNED, CONVOLUTION, ATTENTION, NATIVE_BATCH_NORM = 0, 1, 2, 3, 4, 5
 
 # Kernels that read and write every element once, in order, with no reduction
 # across elements, besides those PyTorch tags pointwise: copies and casts
@@ -507,6 +510,23 @@ _STREAMING = {"_to_copy", "copy_", "copy", "clone", "fill_", "zero_", "zeros_lik
               "zeros", "ones", "full", "new_zeros", "new_ones", "new_full", "masked_fill_", "masked_fill"}
 # The matrix operands of the matrix products (their other arguments are added or scaled).
 _GEMM_OPERANDS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2), "_addmm_activation": (1, 2)}
+
+
+# Batch norm's input and weight, by operator.
+_BATCH_NORMS = {"native_batch_norm": (0, 1), "_native_batch_norm_legit": (0, 1),
+                "_native_batch_norm_legit_no_training": (0, 1), "native_batch_norm_backward": (1, 2)}
+
+
+def _cudnn_batch_norm(input: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether CUDA runs this batch norm with cuDNN: ``_batch_norm_impl_index``
+    (aten/src/ATen/native/Normalization.cpp) takes cuDNN for an input and
+    weight that are not bf16, a half input only with fp32 weights, and
+    affine parameters; else PyTorch's own kernel, slower on NCHW (a bf16
+    autocast step's batch norms: benchmarks/results/step-time.md)."""
+    if weight is None:
+        return False
+    return input.dtype != torch.bfloat16 and weight.dtype != torch.bfloat16 and (
+        input.dtype != torch.float16 or weight.dtype == torch.float32)
 
 
 def _kernel_kind(func, args: tuple) -> int:
@@ -520,12 +540,15 @@ def _kernel_kind(func, args: tuple) -> int:
     back to slower kernels (a vocabulary of 50257 is why nanoGPT pads it to
     50304); ``CONVOLUTION`` for a convolution, ``ATTENTION`` for a fused
     attention kernel (two products with a softmax between them, in one
-    kernel); else ``OTHER``."""
+    kernel); ``NATIVE_BATCH_NORM`` for a batch norm that PyTorch runs with its
+    own kernel instead of cuDNN's; else ``OTHER``."""
     name = func.__name__.split(".")[0]
     if "convolution" in name:
         return CONVOLUTION
     if "attention" in name:
         return ATTENTION
+    if name in _BATCH_NORMS and not _cudnn_batch_norm(*(args[i] for i in _BATCH_NORMS[name])):
+        return NATIVE_BATCH_NORM
     if name in _GEMM_OPERANDS:
         a, b = (args[i] for i in _GEMM_OPERANDS[name])
         per_16_bytes = 16 // a.element_size()

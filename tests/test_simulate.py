@@ -320,18 +320,20 @@ def test_a_cublas_workspace_per_thread_that_runs_matrix_products():
 
 def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
     """Matrix products on tensor cores, in fp32, 16-bit ones with a dimension
-    that is not a multiple of 16 bytes, convolutions, elementwise kernels and
+    that is not a multiple of 16 bytes, convolutions, fused attention,
+    elementwise kernels, batch norm where CUDA runs PyTorch's own kernel and
     the others each reach their own share (TimeModel; measured kernel by
     kernel, benchmarks/kernel_time.py)."""
     from memprof.devices import get_gpu
     from memprof.simulate import (
-        ATTENTION, CONVOLUTION, MISALIGNED, OTHER, STREAMING, SimulatedAllocator, TimeModel)
+        ATTENTION, CONVOLUTION, MISALIGNED, NATIVE_BATCH_NORM, OTHER, STREAMING, SimulatedAllocator, TimeModel)
 
     gpu, tm = get_gpu("H200-141GB"), TimeModel()
     alloc = SimulatedAllocator(gpu)
-    alloc.trace = []
     bf16 = torch.bfloat16
     with VirtualCUDA(gpu, allocator=alloc):
+        bn = nn.BatchNorm2d(16).to("cuda")
+        alloc.trace = []
         x = torch.empty(1024, 768, device="cuda", dtype=bf16)
         torch.mm(x, torch.empty(768, 4096, device="cuda", dtype=bf16))  # aligned
         torch.mm(x, torch.empty(768, 50257, device="cuda", dtype=bf16))  # GPT-2's vocabulary: 50257 % 8 != 0
@@ -347,15 +349,18 @@ def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
         x.sum(0)
         torch._foreach_add_([x, x], 1.0)
         F.conv2d(torch.empty(8, 3, 32, 32, device="cuda"), torch.empty(16, 3, 3, 3, device="cuda"))
+        bn(torch.empty(8, 16, 8, 8, device="cuda"))  # fp32: cuDNN's kernel on a GPU
+        bn(torch.empty(8, 16, 8, 8, device="cuda", dtype=bf16))  # a bf16 input (autocast's): PyTorch's own
         q = torch.empty(2, 4, 256, 64, device="cuda", dtype=bf16)
         F.scaled_dot_product_attention(q, q, q)
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
     kernels = [row for row in alloc.trace if row[2] >= 0]  # torch.empty launches none
     assert [row[7] for row in kernels] == [
         OTHER, MISALIGNED, STREAMING, MISALIGNED, STREAMING, MISALIGNED, STREAMING, OTHER, STREAMING, CONVOLUTION,
+        STREAMING, OTHER, STREAMING, NATIVE_BATCH_NORM,  # each batch norm counts its batches (add_) first
         ATTENTION, ATTENTION]
     # bf16, bf16, the cast reads bf16, fp32, the cast, TF32, ...; cuDNN's convolutions take TF32 by default
-    assert [row[2] for row in kernels] == [2, 2, 2, 0, 2, 1, 2, 2, 2, 1, 2, 2]
+    assert [row[2] for row in kernels] == [2, 2, 2, 0, 2, 1, 2, 2, 2, 1, 0, 0, 0, 2, 2, 2]
     # Attention: 2 products of 2 x 256 x 256 x 64 per head; a causal kernel skips the tiles above the
     # diagonal: 3 of 2 x 2 tiles of 128 queries.
     full = 2 * 2 * (2 * 4 * 256 * 256 * 64)
@@ -379,6 +384,8 @@ def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
     assert tm.seconds(gpu, 0, nbytes, bf16, kind=STREAMING) == (
         nbytes / (gpu.memory_bandwidth * tm.streaming_bandwidth_efficiency) + tm.per_kernel)
     assert tm.seconds(gpu, 0, nbytes, bf16) == nbytes / (gpu.memory_bandwidth * tm.bandwidth_efficiency) + tm.per_kernel
+    assert tm.seconds(gpu, 0, nbytes, bf16, kind=NATIVE_BATCH_NORM) == (
+        nbytes / (gpu.memory_bandwidth * tm.native_batch_norm_bandwidth_efficiency) + tm.per_kernel)
     assert tm.seconds(gpu, flops, 0, bf16, kind=ATTENTION) == (
         flops / (tensor_cores * tm.attention_flop_efficiency) + tm.per_kernel)
     # The misaligned product is the slower of the two 16-bit ones by more than its extra arithmetic.
