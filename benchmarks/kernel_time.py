@@ -145,8 +145,8 @@ def simulated(model: str, plan: str, gpu) -> tuple[dict[str, list], float]:
             r[1] += flops
             r[2] += nbytes
             r[3] = kind
-            tf32 = torch.backends.cudnn.allow_tf32 if conv else (
-                func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm") and torch.backends.cuda.matmul.allow_tf32)
+            matmul = func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm")
+            tf32 = torch.backends.cudnn.allow_tf32 if conv else matmul and torch.backends.cuda.matmul.allow_tf32
             r[4] = 2 if dtype in (torch.float16, torch.bfloat16) else (1 if tf32 else 0)
         return out, c
 

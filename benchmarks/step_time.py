@@ -144,8 +144,9 @@ def step_seconds(tr: np.ndarray, gpu, fe: float, te: float, f32e: float, mfe: fl
     rates = np.array([gpu.fp32_tflops, gpu.tf32_tflops or gpu.bf16_tflops / 2, gpu.bf16_tflops]) * 1e12
     precision = np.clip(kind, 0, 2).astype(int)
     misaligned = (kinds == MISALIGNED) & (precision > 0)  # on tensor cores: of the 16-bit rate (TimeModel.seconds)
-    rates = np.where(misaligned, rates[2], rates[precision]) * np.select(
-        [kinds == CONVOLUTION, kinds == ATTENTION, misaligned, precision == 0, precision == 1], [ce, ae, mfe, f32e, te], fe)
+    shares = np.select([kinds == CONVOLUTION, kinds == ATTENTION, misaligned, precision == 0, precision == 1],
+                       [ce, ae, mfe, f32e, te], fe)
+    rates = np.where(misaligned, rates[2], rates[precision]) * shares
     kernel, transfer = kind >= 0, kind <= -2
     bandwidth = gpu.memory_bandwidth * np.select([kinds == STREAMING, kinds == NATIVE_BATCH_NORM], [sbe, nbe], be)
     roof = np.maximum(flops / rates, nbytes / bandwidth) + per_kernel
@@ -239,8 +240,8 @@ def fit(out: Path) -> None:
                                for r in rows if r["set"] == "fit")
 
     shipped = list(astuple(TimeModel()))  # the constants memprof has now
-    best = [float(v) for v in _descend(score, shipped, bounded=tuple(PARAMS.index(n) for n in PARAMS if "efficiency" in n),
-                                       frozen=tuple(PARAMS.index(n) for n in PER_KERNEL))]
+    bounded = tuple(PARAMS.index(n) for n in PARAMS if "efficiency" in n)
+    best = [float(v) for v in _descend(score, shipped, bounded, frozen=tuple(PARAMS.index(n) for n in PER_KERNEL))]
     for r in rows:
         tr = r.pop("trace")
         r["workload"] = _name(r.pop("model"), r.pop("size"))

@@ -164,8 +164,11 @@ class TimeModel:
         elif kind == MISALIGNED and tensor_cores:
             rate, flop_efficiency = half, self.misaligned_flop_efficiency
         compute = flops / (rate * 1e12 * flop_efficiency) if flops else 0.0
-        efficiency = {STREAMING: self.streaming_bandwidth_efficiency,
-                      NATIVE_BATCH_NORM: self.native_batch_norm_bandwidth_efficiency}.get(kind, self.bandwidth_efficiency)
+        efficiency = self.bandwidth_efficiency
+        if kind == STREAMING:
+            efficiency = self.streaming_bandwidth_efficiency
+        elif kind == NATIVE_BATCH_NORM:
+            efficiency = self.native_batch_norm_bandwidth_efficiency
         memory = nbytes / (gpu.memory_bandwidth * efficiency)
         return max(compute, memory) + self.per_kernel
 
