@@ -41,7 +41,6 @@ import argparse
 import ast
 import collections
 import contextlib
-import importlib
 import json
 import os
 import sys
@@ -126,48 +125,42 @@ def _family(name: str) -> str:
 
 
 def simulated(model: str, plan: str, gpu) -> tuple[dict[str, list], float]:
-    """Per operator family of a steady simulated step: [calls, flops, bytes, kind, precision];
-    and the step's simulated seconds (memprof's TimeModel as shipped)."""
+    """Per operator family of a steady simulated step: [calls, flops, bytes, kind, precision],
+    from the rows the simulation traces for its kernels; and the step's simulated seconds
+    (memprof's TimeModel as shipped)."""
     from memprof.simulate import SimulatedAllocator, _state_tensors
     from memprof.virtual_cuda import VirtualCUDA
 
-    sim = importlib.import_module("memprof.simulate")
     rows: dict[str, list] = collections.defaultdict(lambda: [0, 0, 0, 0, 0])
-    record = False
-    run = sim.KernelCache.run
 
-    def recording(self, func, args, kwargs, cost):
-        out, c = run(self, func, args, kwargs, cost)
-        if record and c is not None and c[4]:
-            flops, nbytes, dtype, conv, _, kind = c
-            r = rows[_family(func.__name__.split(".")[0])]
-            r[0] += 1
-            r[1] += flops
-            r[2] += nbytes
-            r[3] = kind
-            matmul = func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm")
-            tf32 = torch.backends.cudnn.allow_tf32 if conv else matmul and torch.backends.cuda.matmul.allow_tf32
-            r[4] = 2 if dtype in (torch.float16, torch.bfloat16) else (1 if tf32 else 0)
-        return out, c
+    class Recording(SimulatedAllocator):
+        """Names each kernel's trace row (SimulatedAllocator.trace) after its operator."""
 
-    alloc = SimulatedAllocator(gpu)
-    sim.KernelCache.run = recording
-    try:
-        with VirtualCUDA(gpu, allocator=alloc):
-            with torch.device("meta"):
-                w = workload(model, "cuda")
-            alloc.adopt(_state_tensors(w.model, w.optimizer))
-            for s in default_plans(gpu=gpu)[_plan(plan)]():
-                s.apply_simulated(w)
-            with _tf32(plan):
-                w.step()
-                w.step()
-                record = True
-                start = alloc.clock()
-                w.step()
-                seconds = alloc.clock() - start
-    finally:
-        sim.KernelCache.run = run
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = len(self.trace) if self.trace is not None else None
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if before is not None and len(self.trace) > before and self.trace[-1][2] >= 0:
+                flops, nbytes, precision, *_, kind = self.trace[-1]
+                r = rows[_family(func.__name__.split(".")[0])]
+                r[0] += 1
+                r[1] += flops
+                r[2] += nbytes
+                r[3], r[4] = kind, precision
+            return out
+
+    alloc = Recording(gpu)
+    with VirtualCUDA(gpu, allocator=alloc):
+        with torch.device("meta"):
+            w = workload(model, "cuda")
+        alloc.adopt(_state_tensors(w.model, w.optimizer))
+        for s in default_plans(gpu=gpu)[_plan(plan)]():
+            s.apply_simulated(w)
+        with _tf32(plan):
+            w.step()
+            w.step()
+            alloc.trace, start = [], alloc.clock()
+            w.step()
+            seconds = alloc.clock() - start
     return dict(rows), seconds
 
 
@@ -209,7 +202,7 @@ def fit(out: Path) -> None:
                 kind, rate = "misaligned, of the 16-bit rate", rates[2]  # on tensor cores (TimeModel.seconds)
             rows["matmul " + kind].append((flops / rate, calls, seconds))
         for family, (calls, flops, nbytes, kind, precision) in sim.items():
-            if family in ("mm", "addmm", "bmm", "baddbmm") or family not in families:
+            if family in {_family(name) for name in GEMM} or family not in families:  # priced from their shapes
                 continue
             if kind in (CONVOLUTION, ATTENTION):
                 name, amount = ("convolution" if kind == CONVOLUTION else "attention"), flops / rates[precision]
