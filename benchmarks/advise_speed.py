@@ -7,7 +7,8 @@
   11008, 8 x 2048 tokens, fp32 weights, AdamW), both built on meta: one
   simulation of two steps (the first in the process, then again), then
   ``memprof.advise`` with the default plans for a 24 GiB budget on the
-  H200, in the same process;
+  H200, in the same process: in this process alone (``jobs=1``), then
+  with the plans in one forked process per CPU (the default);
 * the README's main job (``memprof advise examples/train_gpt.py --budget
   rtx3060 -- ...``), wall clock of the command.
 """
@@ -28,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from memprof.advisor import advise, simulate_plan  # noqa: E402
 from memprof.devices import get_gpu  # noqa: E402
+from memprof.parallel import default_jobs  # noqa: E402
 from memprof.workload import Workload  # noqa: E402
 
 README_JOB = ["advise", "examples/train_gpt.py", "--budget", "rtx3060", "--", "--n-layer", "12", "--n-embd", "768",
@@ -66,12 +68,15 @@ def one(name: str, make) -> dict:
     gpu = get_gpu("H200-141GB")
     _, first = timed(lambda: simulate_plan(make, list, gpu, steps=2))
     _, again = timed(lambda: simulate_plan(make, list, gpu, steps=2))
+    alone, in_turn = timed(lambda: advise(make, "24GiB", target="H200-141GB", progress=False, jobs=1))
     advice, seconds = timed(lambda: advise(make, "24GiB", target="H200-141GB", progress=False))
+    assert advice.table.equals(alone.table), "plans in forked processes must equal plans in one"
     row = {
-        "workload": name, "plans": len(advice.table), "advise_seconds": round(seconds, 2),
+        "workload": name, "plans": len(advice.table), "jobs": default_jobs(), "advise_seconds": round(seconds, 2),
+        "advise_seconds_one_process": round(in_turn, 2),
         "first_simulation_seconds": round(first, 2), "simulation_seconds": round(again, 2),
         "advise_over_simulation": round(seconds / again, 1), "advise_over_first_simulation": round(seconds / first, 1),
-        "best": advice.best,
+        "one_process_over_simulation": round(in_turn / again, 1), "best": advice.best,
     }
     print(row, flush=True)
     return row

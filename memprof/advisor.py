@@ -19,13 +19,14 @@ import statistics
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pandas as pd
 import torch
 
 from .categories import Category
 from .devices import GPU, get_gpu
+from .parallel import can_fork, default_jobs, run_forked
 from .report import Report
 from .simulate import usable_bytes
 from .units import fmt_bytes
@@ -155,6 +156,7 @@ def simulate_plans(
     base: list | None = None,
     advance: Callable[[str], None] | None = None,
     baseline: Report | None = None,
+    jobs: int | None = None,
 ) -> tuple[Report, dict]:
     """Simulate many plans on one build of the workload.
 
@@ -172,17 +174,23 @@ def simulate_plans(
     accounted for afterwards, like ZeRO's sharding) share one step; those
     strategies adjust against ``baseline`` (default: the base report). A plan
     whose step raises ends the build; the plans after it get a new one.
+    The plans run in ``jobs`` forked copies of the build (default: one per
+    CPU this process may use, at most 8; :mod:`memprof.parallel`), or in
+    this process with ``jobs=1``; the results are the same.
     Returns the base report and, per plan, a ``Prediction`` or the exception
     that stopped it.
     """
     from memprof.strategies import Prediction
 
+    jobs = default_jobs() if jobs is None else jobs
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an integer >= 1 (1: every plan in this process), got {jobs!r}")
     base = list(base or [])
     preds: dict[str, Any] = {}
     pending = dict(plans)
     report = None
     while pending:
-        first, results, failed = _session(make_workload, base, pending, gpu, steps, advance)
+        first, results, failed = _session(make_workload, base, pending, gpu, steps, advance, jobs)
         report = report or first
         for name, outcome in {**results, **failed}.items():
             if isinstance(outcome, tuple) and isinstance(outcome[0], Report):  # tracked: (report, seconds)
@@ -195,7 +203,7 @@ def simulate_plans(
     return report, preds
 
 
-def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps: int, advance=None):
+def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps: int, advance=None, jobs: int = 1):
     """One build: the base report; per plan simulated, a report of its steps
     and their seconds untracked (where an adjustment reads their samples) or
     its step's (peak allocated, peak reserved, seconds); and the plans that
@@ -214,6 +222,7 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
     sampled = {keys[name] for name, ss in rest.items() if not all(s.simulated for s in ss)}
     results: dict[tuple, Any] = {}
     failed: dict[str, Exception] = {}
+    jobs = jobs if can_fork() else 1  # decided before the simulated CUDA stands in for the real one
     with VirtualCUDA(gpu, allocator=allocator) as device:
         with torch.device("meta"):
             w = make_workload()
@@ -223,40 +232,72 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
             s.apply_simulated(w)
         w.repeats = _Repeats(allocator)
         optimizer_steps = _OptimizerSteps()
-        built = copy.deepcopy(allocator.model)
+        built = copy.deepcopy(allocator.model), allocator.clock()
         results[()] = _tracked_steps(w, steps, track, allocator)
         report = results[()][0]
-        for name, strategies in rest.items():
-            if keys[name] not in results:
-                if hasattr(advance, "now"):
-                    advance.now(name)
-                with ExitStack() as undo:
-                    try:
-                        undo.enter_context(w.plan(strategies, simulated=True))
-                        split_batch(w.batch, w.micro_batches)  # a batch the micro-batches do not divide fails here
+
+        def run(name: str) -> tuple[str, Any]:
+            """One plan's steps from the build's state: ("ok", its result), ("failed", why),
+            or ("broken", why) when it failed midway through a step (the build is unusable)."""
+            strategies = rest[name]
+            with ExitStack() as undo:
+                try:
+                    undo.enter_context(w.plan(strategies, simulated=True))
+                    split_batch(w.batch, w.micro_batches)  # a batch the micro-batches do not divide fails here
+                    _restart(w, allocator, built)
+                except Exception as exc:
+                    return "failed", exc
+                try:  # tracking costs time: only steps whose samples are read are tracked
+                    if keys[name] in sampled:
+                        return "ok", _tracked_steps(w, steps, track, allocator)
+                    result = _plan_counters(w, allocator, steps, optimizer_steps)
+                    if result is None:  # not derivable with a replayed optimizer step
                         _restart(w, allocator, built)
-                    except Exception as exc:
-                        failed[name] = exc
-                    else:
-                        try:  # tracking costs time: only steps whose samples are read are tracked
-                            if keys[name] in sampled:
-                                results[keys[name]] = _tracked_steps(w, steps, track, allocator)
-                            else:
-                                results[keys[name]] = _plan_counters(w, allocator, steps, optimizer_steps)
-                            if results[keys[name]] is None:  # not derivable with a replayed optimizer step
-                                _restart(w, allocator, built)
-                                results[keys[name]] = _plan_counters(w, allocator, steps)
-                        except Exception as exc:  # the build is left midway through a step
-                            failed[name] = exc
-                            break
-            if advance is not None:
+                        result = _plan_counters(w, allocator, steps)
+                    return "ok", result
+                except Exception as exc:
+                    return "broken", exc
+
+        # One plan per distinct step; the others with its strategies share its result.
+        sharing: dict[tuple, list[str]] = {}
+        for name in rest:
+            sharing.setdefault(keys[name], []).append(name)
+        todo = [names[0] for key, names in sharing.items() if key not in results]
+        for name in rest:
+            if keys[name] in results and advance is not None:
                 advance(name)
+        start = getattr(advance, "now", None)
+        if jobs > 1 and len(todo) > 1:
+            outcomes = run_forked(run, todo, jobs, start)
+        else:
+            outcomes = _in_turn(run, todo, start)
+        for name, status, value in outcomes:
+            if status == "ok":
+                results[keys[name]] = value
+                done = sharing[keys[name]]
+            else:
+                failed[name] = value
+                done = [name]
+            for n in done:
+                if advance is not None:
+                    advance(n)
     report.source = "simulate"
     report.meta.update(units, target=gpu.name, host="cpu" if not torch.cuda.is_available() else "cuda",
                        plan=_name(base))
     if device.notes:
         report.meta["simulation_notes"] = dict(device.notes)
     return report, {name: results[keys[name]] for name in rest if keys[name] in results}, failed
+
+
+def _in_turn(run, names: list[str], start) -> Iterator[tuple[str, str, Any]]:
+    """``run`` for each name in this process, until a build is broken."""
+    for name in names:
+        if start is not None:
+            start(name)
+        status, value = run(name)
+        yield name, status, value
+        if status == "broken":
+            return
 
 
 def _tracked_steps(w: Workload, steps: int, track, allocator) -> tuple[Report, float]:
@@ -369,10 +410,15 @@ class _OptimizerSteps:
 def _restart(w: Workload, allocator, built) -> None:
     """Bring the simulated device back to the state it had after the build,
     where a fresh run of the next plan starts: no gradients, no optimizer
-    state, no cuBLAS workspace, and only what the build cached."""
+    state, no cuBLAS workspace, only what the build cached, and the clock
+    at the build's end (so a plan's seconds, differences of the clock, are
+    the same float whichever plans ran before it). ``built``: the
+    allocator model's copy and the clock, taken after the build."""
+    model, clock = built
     w.optimizer.zero_grad(set_to_none=True)
     w.optimizer.state.clear()  # made again by the plan's first step, as in a fresh run
-    if not allocator.rewind(built):
+    allocator.host = allocator.device = clock
+    if not allocator.rewind(model):
         allocator.empty_cache()
         log.debug("the device holds tensors made after the build: a plan's reserved memory may differ from its own run")
 
@@ -437,6 +483,7 @@ def advise(
     margin: float = 0.05,
     steps: int = 2,
     progress: bool = True,
+    jobs: int | None = None,
 ) -> Advice:
     """Rank plans for ``make_workload()`` under ``budget`` bytes of device memory per rank.
 
@@ -445,7 +492,9 @@ def advise(
     an H100). A plan fits when its predicted peak reserved memory, plus
     ``margin`` of it for the simulation's error, is within the budget.
     Plans are simulated on as few builds as their strategies allow
-    (:func:`simulate_plans`): one, unless some cannot be undone (pure bf16).
+    (:func:`simulate_plans`): one, unless some cannot be undone (pure bf16),
+    in ``jobs`` forked processes (default: one per CPU, at most 8; 1: in
+    this process).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
@@ -466,7 +515,7 @@ def advise(
     with _progress(progress, len(plans)) as advance:
         for fixed, group in groups.items():
             base = [s for s in next(iter(group.values())) if s.name in fixed]
-            report, got = simulate_plans(make_workload, group, gpu, steps=steps, base=base, advance=advance)
+            report, got = simulate_plans(make_workload, group, gpu, steps=steps, base=base, advance=advance, jobs=jobs)
             baseline = report if not fixed else baseline
             preds.update(got)
     # One line per reason: a batch that accumulation cannot split fails every accumulation plan alike.

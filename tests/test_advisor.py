@@ -323,6 +323,93 @@ def test_plans_on_one_build_equal_their_own_simulations():
     assert base.meta["plan"] == "baseline" and base.steps["step"].tolist() == [0, 1]
 
 
+class _Progress:
+    """What the advisor's progress bar is told: plans started and done, in order."""
+
+    def __init__(self) -> None:
+        self.started, self.done = [], []
+
+    def now(self, name: str) -> None:
+        self.started.append(name)
+
+    def __call__(self, name: str) -> None:
+        self.done.append(name)
+
+
+def test_plans_in_forked_processes_equal_plans_in_this_one():
+    """Two forked copies of the build run the plans, handed out one at a time:
+    every plan's bytes and seconds are those of running them all in this
+    process, to the bit (each starts from the build's state and clock)."""
+    from memprof.advisor import simulate_plans
+
+    gpu = get_gpu("h200")
+    plans = lambda: {name: factory() for name, factory in default_plans(2, gpu=gpu).items()}  # noqa: E731
+    runs = {}
+    for jobs in (1, 2):
+        progress = _Progress()
+        base, preds = simulate_plans(block_workload, plans(), gpu, jobs=jobs, advance=progress)
+        runs[jobs] = {name: (p.peak_allocated, p.peak_reserved, p.seconds) for name, p in preds.items()}
+        assert sorted(progress.done) == sorted(plans())  # every plan once
+        # One plan per distinct one-rank step starts (ZeRO's and state offload's share theirs).
+        assert len(progress.started) == len(set(progress.started)) == 17
+        assert base.steps["step"].tolist() == [0, 1]
+    assert runs[1] == runs[2] and len(runs[2]) == len(plans()) > 30
+
+
+class _Fails(Checkpointing):
+    """Checkpointing whose blocks fail in their forward, as ``how`` says."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.name = how, f"fails-{how}"
+
+    def apply_simulated(self, workload: Workload) -> None:
+        super().apply_simulated(workload)
+        how = self.how
+
+        def forward(*args, **kwargs):
+            if how == "exit":  # the process ends, as the kernel's out-of-memory killer would end it
+                import os
+
+                os._exit(3)
+            raise _TwoArgumentError("midway", "through a step") if how == "unpicklable" else RuntimeError("boom")
+
+        for block in workload.model.blocks:
+            block.forward = forward
+
+
+class _TwoArgumentError(Exception):
+    def __init__(self, where: str, what: str) -> None:  # pickle calls cls(message): it cannot be rebuilt
+        super().__init__(f"{where} {what}")
+
+
+def test_plans_that_fail_in_a_forked_process():
+    """A plan whose step raises midway leaves its process's build unusable: that
+    process stops, the others take the plans left, and the plans no process
+    took get a new build. A process that dies is reported under its plan; an
+    exception that cannot be pickled comes back as a RuntimeError with its message."""
+    from memprof.advisor import simulate_plans
+
+    gpu = get_gpu("h200")
+    plans = {"baseline": [], "broken": [_Fails("raise")], "unpicklable": [_Fails("unpicklable")],
+             "exit": [_Fails("exit")], "accum2": [Accumulation(2)], "ckpt": [Checkpointing()], "bf16": [Autocast("bf16")]}
+    _, preds = simulate_plans(block_workload, plans, gpu, jobs=2)
+    good = {name: plans[name] for name in ("baseline", "accum2", "ckpt", "bf16")}
+    _, alone = simulate_plans(block_workload, good, gpu, jobs=1)
+    for name, pred in alone.items():
+        assert (preds[name].peak_reserved, preds[name].seconds) == (pred.peak_reserved, pred.seconds), name
+    assert isinstance(preds["broken"], RuntimeError) and str(preds["broken"]) == "boom"
+    assert type(preds["unpicklable"]) is RuntimeError and str(preds["unpicklable"]) == "_TwoArgumentError: midway through a step"
+    assert isinstance(preds["exit"], RuntimeError) and "plan 'exit' ended without an answer" in str(preds["exit"])
+
+
+def test_jobs_must_be_a_positive_integer():
+    from memprof.advisor import simulate_plans
+
+    with pytest.raises(ValueError, match=r"jobs must be an integer >= 1 \(1: every plan in this process\), got 0"):
+        simulate_plans(block_workload, {"baseline": []}, get_gpu("h200"), jobs=0)
+
+
 def test_a_replayed_optimizer_step_changes_nothing(monkeypatch):
     """The optimizer's first step, run for the first untracked plan and replayed
     from its allocation events for the others, gives every plan the bytes and
@@ -335,7 +422,7 @@ def test_a_replayed_optimizer_step_changes_nothing(monkeypatch):
     replay = SimulatedAllocator.replay
     monkeypatch.setattr(SimulatedAllocator, "replay", lambda self, events: replays.append(events) or replay(self, events))
     plans = lambda: {name: factory() for name, factory in default_plans(1, gpu=gpu).items()}  # noqa: E731
-    _, replayed = simulate_plans(block_workload, plans(), gpu)
+    _, replayed = simulate_plans(block_workload, plans(), gpu, jobs=1)  # the replays counted here
     # 20 plans: the baseline and bf16 steps are tracked (state offload's adjustment reads their
     # samples), 16 more run untracked; the first of them records the optimizer step.
     assert len(plans()) == 20 and len(replays) == 15
@@ -348,7 +435,7 @@ def test_a_replayed_optimizer_step_changes_nothing(monkeypatch):
 
     monkeypatch.setattr(_OptimizerSteps, "key", staticmethod(lambda optimizer: None))  # run every step
     replays.clear()
-    _, run = simulate_plans(block_workload, plans(), gpu)
+    _, run = simulate_plans(block_workload, plans(), gpu, jobs=1)
     assert replays == []
     for name, pred in run.items():
         got = replayed[name]
@@ -382,11 +469,11 @@ def test_other_optimizers_replay_as_they_run(monkeypatch, make_optimizer):
 
     plans = lambda: {"baseline": [], "accum2": [Accumulation(2)], "ckpt": [Checkpointing()],  # noqa: E731
                      "bf16+accum2": [Autocast("bf16"), Accumulation(2)]}
-    _, replayed = simulate_plans(make, plans(), get_gpu("h200"))
+    _, replayed = simulate_plans(make, plans(), get_gpu("h200"), jobs=1)
     assert len(replays) == 2  # accum2 runs the step (the baseline's is tracked); ckpt and bf16+accum2 replay it
     assert all(o.__dict__.get("step") is own for o, own in optimizers)  # the optimizer's own step is back
     monkeypatch.setattr(_OptimizerSteps, "key", staticmethod(lambda optimizer: None))
-    _, run = simulate_plans(make, plans(), get_gpu("h200"))
+    _, run = simulate_plans(make, plans(), get_gpu("h200"), jobs=1)
     for name, pred in run.items():
         got = replayed[name]
         assert (got.peak_allocated, got.peak_reserved, got.seconds) == (

@@ -1,0 +1,155 @@
+"""Independent simulations in forked processes.
+
+The advisor's plans each run one simulated step on the same build, brought
+back to the build's state before each (``advisor._restart``): they share
+nothing but that starting point, which ``fork`` copies for free. So the
+build is made once, in this process, and the plans are handed out one at a
+time to ``jobs`` forked copies of it; each answers with its plan's result,
+pickled. Results equal those of one process plan by plan
+(tests/test_advisor.py), since each plan starts from the same state either
+way.
+
+Forking is used only where it is safe and worth it: on Linux (macOS's
+system frameworks do not survive ``fork``), never once CUDA is initialised
+in this process (a forked child cannot use it, and a trainer's process
+usually has), and for two plans or more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import warnings
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+__all__ = ["can_fork", "default_jobs", "run_forked"]
+
+log = logging.getLogger(__name__)
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on (its affinity, not the machine's count), at most 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
+def can_fork() -> bool:
+    """Whether this process may fork simulations: Linux, CUDA not initialised."""
+    return sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+
+
+def run_forked(run: Callable[[str], tuple[str, Any]], names: Iterable[str], jobs: int,
+               start: Callable[[str], None] | None = None) -> Iterator[tuple[str, str, Any]]:
+    """``run(name)`` for every name in ``jobs`` forked processes, handing each
+    process the next name when it answers: yields ``(name, status, value)`` as
+    the answers come (``status`` as ``run`` returns it). ``start(name)`` is
+    called in this process when a name is handed out.
+
+    A process stops after a ``"broken"`` answer (its build is left midway
+    through a step); names it did not take go to the others, and those no
+    process took are not yielded. A process that dies without answering
+    yields its name as ``"failed"`` with a ``RuntimeError``."""
+    from multiprocessing import Pipe
+    from multiprocessing.connection import wait
+
+    todo = list(names)
+    sys.stdout.flush()  # what this process has buffered must not be written again by the children
+    sys.stderr.flush()
+    workers: dict[Any, tuple[int, str | None]] = {}  # connection -> (pid, the name it runs)
+    try:
+        for _ in range(min(jobs, len(todo))):
+            ours, theirs = Pipe()
+            with warnings.catch_warnings():  # Python 3.12 warns of fork with threads alive (a progress bar's)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:  # the child: never returns
+                ours.close()
+                _serve(theirs, run)
+            theirs.close()
+            workers[ours] = (pid, None)
+            _hand_out(ours, workers, todo, start)
+        while workers:
+            for conn in wait(list(workers)):
+                pid, name = workers[conn]
+                try:
+                    got, status, value = conn.recv()
+                except (EOFError, OSError):
+                    got, status, value = None, "died", None
+                if status == "died":
+                    _close(conn, workers)
+                    if name is not None:
+                        yield name, "failed", RuntimeError(
+                            f"the process simulating plan {name!r} ended without an answer (out of host memory?)")
+                    continue
+                workers[conn] = (pid, None)
+                yield got, status, value
+                if status == "broken":
+                    _close(conn, workers)
+                else:
+                    _hand_out(conn, workers, todo, start)
+    finally:  # left early (an exception here, the caller stopped): the children's work is lost
+        for conn in list(workers):
+            _close(conn, workers, kill=True)
+
+
+def _hand_out(conn, workers: dict, todo: list, start) -> None:
+    pid, _ = workers[conn]
+    if not todo:
+        _close(conn, workers)
+        return
+    name = todo.pop(0)
+    workers[conn] = (pid, name)
+    if start is not None:
+        start(name)
+    conn.send(name)
+
+
+def _close(conn, workers: dict, kill: bool = False) -> None:
+    pid, _ = workers.pop(conn)
+    if kill:
+        os.kill(pid, signal.SIGKILL)
+    else:
+        try:
+            conn.send(None)
+        except OSError:
+            pass
+    conn.close()
+    os.waitpid(pid, 0)
+
+
+def _serve(conn, run) -> None:
+    """A child's loop: run each name received until None or a broken build; then exit
+    without running this process's exit handlers (they are the parent's)."""
+    code = 0
+    try:
+        torch.set_num_threads(1)  # as DataLoader's workers do: the parent's thread pool is not ours
+        while (name := conn.recv()) is not None:
+            status, value = run(name)
+            if isinstance(value, BaseException):
+                value = _picklable(value)
+            conn.send((name, status, value))
+            if status == "broken":
+                break
+    except BaseException:  # noqa: BLE001 - the parent reads the missing answer as a failure
+        log.exception("a forked simulation failed")
+        code = 1
+    finally:
+        conn.close()
+        os._exit(code)
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """``exc`` where it survives pickling, else a RuntimeError with its message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any exception class may refuse
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
