@@ -10,9 +10,9 @@ pickled. Results equal those of one process plan by plan
 way.
 
 Forking is used only where it is safe and worth it: on Linux (macOS's
-system frameworks do not survive ``fork``), never once CUDA is initialised
-in this process (a forked child cannot use it, and a trainer's process
-usually has), and for two plans or more.
+system frameworks do not survive ``fork``), on a machine without a visible
+accelerator (autograd's per-device threads do not survive it either:
+:func:`can_fork`), and for two plans or more.
 """
 
 from __future__ import annotations
@@ -42,8 +42,14 @@ def default_jobs() -> int:
 
 
 def can_fork() -> bool:
-    """Whether this process may fork simulations: Linux, CUDA not initialised."""
-    return sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+    """Whether this process may fork simulations: on Linux, without an accelerator.
+
+    A process's first backward starts one autograd thread per device of its
+    accelerator, and a forked child of it cannot run backward at all
+    (PyTorch's "Autograd and Fork" note): where a GPU is visible, the plans
+    run in turn. So they do where CUDA is initialised (a child could not use it)."""
+    return (sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+            and torch.accelerator.device_count() == 0)
 
 
 def run_forked(run: Callable[[str], tuple[str, Any]], names: Iterable[str], jobs: int,

@@ -119,8 +119,13 @@ class Environment:
 
 
 def _local_cudnn() -> int | None:
+    # The version from the library itself: torch.backends.cudnn.version() also checks every
+    # visible GPU's capability, which initialises CUDA in this process, and a simulation
+    # must leave it uninitialised (its plans run in forked processes: memprof.parallel).
+    if not torch.version.cuda:
+        return None
     try:
-        return torch.backends.cudnn.version() if torch.version.cuda else None
+        return torch._C._cudnn.getVersionInt()
     except Exception:  # a CUDA build without a usable cuDNN
         return None
 
