@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from suite import workload  # noqa: E402
 
-from memprof.advisor import Advice, advise, default_plans, rerank, verify  # noqa: E402
+from memprof.advisor import HOST_BOUND, Advice, advise, default_plans, rerank, verify  # noqa: E402
 from memprof.devices import get_gpu  # noqa: E402
 
 MODELS = ("gpt2", "bert", "vit_b_16", "llama")
@@ -159,7 +159,8 @@ def check(out: Path) -> pd.DataFrame:
             if fits.empty:
                 continue
             err = table.loc[fits.index, "seconds"] / fits["measured_seconds"] - 1
-            errors += [{"model": m, "budget_GiB": b, "plan": p, "error": e} for p, e in err.items()]
+            share = table["device_share"] if "device_share" in table else pd.Series(float("nan"), index=table.index)
+            errors += [{"model": m, "budget_GiB": b, "plan": p, "error": e, "device_share": share[p]} for p, e in err.items()]
             ranked = rerank(table, b * 2**30, MARGIN)
             recommended = next((p for p in ranked.index[ranked["fits"]]), None)
             fastest = fits["measured_seconds"].idxmin()
@@ -188,6 +189,14 @@ def check(out: Path) -> pd.DataFrame:
               "choices_within_5_percent": int((summary["vs_fastest"] <= 0.05).sum()),
               "choices_within_5_percent_with_margin": int((summary["vs_fastest_with_margin"] <= 0.05).sum()),
               "cases": int(len(summary))}
+    # The steps the advisor marks host-bound (memprof.advisor.HOST_BOUND) apart from the others.
+    unique = errs.drop_duplicates(["model", "plan"])
+    for bound, part in (("device_bound", unique[unique["device_share"] >= HOST_BOUND]),
+                        ("host_bound", unique[unique["device_share"] < HOST_BOUND])):
+        e = part["error"].abs()
+        totals[bound] = {"plans": int(len(e)), "median_abs_error": float(e.median()) if len(e) else None,
+                         "worst_abs_error": float(e.max()) if len(e) else None,
+                         "within_15": int((e <= 0.15).sum()), "within_30": int((e <= 0.30).sum())}
     (out / "advise-check.json").write_text(json.dumps(
         {"totals": totals, "cases": summary.to_dict(orient="records"), "errors": errors}, indent=1, default=float) + "\n")
     pd.set_option("display.width", 200)

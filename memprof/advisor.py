@@ -193,10 +193,11 @@ def simulate_plans(
         first, results, failed = _session(make_workload, base, pending, gpu, steps, advance, jobs)
         report = report or first
         for name, outcome in {**results, **failed}.items():
-            if isinstance(outcome, tuple) and isinstance(outcome[0], Report):  # tracked: (report, seconds)
-                outcome = replace(Prediction.from_report(outcome[0]), seconds=outcome[1])
+            if isinstance(outcome, tuple) and isinstance(outcome[0], Report):  # tracked: (report, counters)
+                outcome = replace(Prediction.from_report(outcome[0]), seconds=outcome[1].seconds,
+                                  device_seconds=outcome[1].busy)
             elif isinstance(outcome, tuple):
-                outcome = Prediction(*outcome)
+                outcome = Prediction(*outcome[:3], device_seconds=outcome.busy)
             preds[name] = outcome if isinstance(outcome, Exception) else _adjusted(
                 outcome, plans[name], baseline or report, gpu)
             pending.pop(name)
@@ -232,7 +233,7 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
             s.apply_simulated(w)
         w.repeats = _Repeats(allocator)
         optimizer_steps = _OptimizerSteps()
-        built = copy.deepcopy(allocator.model), allocator.clock()
+        built = copy.deepcopy(allocator.model), allocator.mark()
         results[()] = _tracked_steps(w, steps, track, allocator)
         report = results[()][0]
 
@@ -300,22 +301,22 @@ def _in_turn(run, names: list[str], start) -> Iterator[tuple[str, str, Any]]:
             return
 
 
-def _tracked_steps(w: Workload, steps: int, track, allocator) -> tuple[Report, float]:
+def _tracked_steps(w: Workload, steps: int, track, allocator) -> tuple[Report, Any]:
     """``steps`` steps under memprof.track: the report (its timeline the last
-    step's samples), and the seconds of one more step without tracking (the
-    tracker's hooks make autograd issue more operators, which the training
-    step it predicts would not)."""
+    step's samples), and the counters of one more step without tracking,
+    whose seconds are the step's (the tracker's hooks make autograd issue
+    more operators, which the training step it predicts would not)."""
     with track(w.model, w.optimizer, warmup=steps, every=1, timeline_steps=1, full=True) as prof:
         for _ in range(steps):
             w.step()
-    start = allocator.clock()
+    start = allocator.mark()
     w.step()
-    return prof.report(), allocator.clock() - start
+    return prof.report(), allocator.since(start)
 
 
 def _plan_counters(w: Workload, allocator, steps: int, optimizer_steps: "_OptimizerSteps | None" = None):
-    """A plan's steps without tracking: the last one's peak allocated and
-    reserved bytes and seconds; the steps after the first are derived from
+    """A plan's steps without tracking: the last one's counters
+    (:class:`memprof.simulate.StepCounters`); the steps after the first are derived from
     its allocation events (:func:`memprof.simulate.replay_step`) where they
     repeat it. With ``optimizer_steps`` the first step's optimizer step may
     be replayed from another plan's; a step then not derivable returns None
@@ -323,7 +324,7 @@ def _plan_counters(w: Workload, allocator, steps: int, optimizer_steps: "_Optimi
     from .simulate import replay_step
 
     allocator.reset_peak()
-    allocator.events, start = [], allocator.clock()
+    allocator.events, start = [], allocator.mark()
     try:
         with optimizer_steps.around(w.optimizer, allocator) if optimizer_steps else nullcontext([None]) as replayed:
             w.step()
@@ -332,16 +333,16 @@ def _plan_counters(w: Workload, allocator, steps: int, optimizer_steps: "_Optimi
     kept = replayed[0]
     derived = replay_step(allocator.model, events) if steps > 1 else None
     if steps == 1:
-        derived = allocator.model.peak_allocated, allocator.model.peak_reserved, allocator.clock() - start
+        derived = allocator.since(start)
     for h in kept or ():  # the replayed optimizer's state, which no tensor holds
         allocator.model.free(h)
     if derived is not None or kept is not None:
         return derived
     for _ in range(steps - 1):
         allocator.reset_peak()
-        start = allocator.clock()
+        start = allocator.mark()
         w.step()
-    return allocator.model.peak_allocated, allocator.model.peak_reserved, allocator.clock() - start
+    return allocator.since(start)
 
 
 class _OptimizerSteps:
@@ -410,14 +411,15 @@ class _OptimizerSteps:
 def _restart(w: Workload, allocator, built) -> None:
     """Bring the simulated device back to the state it had after the build,
     where a fresh run of the next plan starts: no gradients, no optimizer
-    state, no cuBLAS workspace, only what the build cached, and the clock
-    at the build's end (so a plan's seconds, differences of the clock, are
-    the same float whichever plans ran before it). ``built``: the
-    allocator model's copy and the clock, taken after the build."""
-    model, clock = built
+    state, no cuBLAS workspace, only what the build cached, and the clocks
+    at the build's end (so a plan's seconds, differences of the clocks, are
+    the same floats whichever plans ran before it). ``built``: the
+    allocator model's copy and :meth:`~memprof.simulate.SimulatedAllocator.mark`, taken after the build."""
+    model, (clock, busy) = built
     w.optimizer.zero_grad(set_to_none=True)
     w.optimizer.state.clear()  # made again by the plan's first step, as in a fresh run
     allocator.host = allocator.device = clock
+    allocator.busy = busy
     if not allocator.rewind(model):
         allocator.empty_cache()
         log.debug("the device holds tensors made after the build: a plan's reserved memory may differ from its own run")
@@ -438,20 +440,21 @@ class _Repeats:
     def __init__(self, allocator) -> None:
         self.allocator = allocator
         self._seen: dict[tuple, int] = {}
-        self._starts: dict[int, float] = {}
+        self._starts: dict[int, tuple[float, float]] = {}  # micro-batch -> (simulated time, busy seconds)
 
     def __call__(self, i: int, n: int) -> int:
         if i == 0:
             self._seen.clear()
             self._starts.clear()
-        layout, now = self.allocator.model.layout(), self.allocator.seconds
+        layout, now = self.allocator.model.layout(), (self.allocator.seconds, self.allocator.busy)
         j = self._seen.get(layout)
         if j is None:
             self._seen[layout], self._starts[i] = i, now
             return 0
         period = i - j
         cycles = (n - i) // period
-        self.allocator.seconds += cycles * (now - self._starts[j])
+        (seconds, busy), start = now, self._starts[j]
+        self.allocator.charge(cycles * (seconds - start[0]), cycles * (busy - start[1]))
         self._seen.clear()  # the layouts seen map to other micro-batch numbers from here
         self._starts.clear()
         return cycles * period
@@ -551,6 +554,7 @@ def rank(rows: list, base, baseline: Report, budget: int, margin: float) -> pd.D
                 "peak_reserved": p.peak_reserved,
                 "seconds": p.seconds,
                 "slowdown": p.seconds / base.seconds if base.seconds else float("nan"),
+                "device_share": p.device_seconds / p.seconds if p.device_seconds is not None and p.seconds else float("nan"),
                 "why": _why(name, p, base, baseline),
             }
             for name, p in rows
@@ -614,6 +618,20 @@ class _progress:
             self._bar.__exit__(*exc)
 
 
+#: Below this share of its step with the device busy, a plan's step is host-bound: the host
+#: issuing kernels sets its pace, and the host's speed moves its measured time by up to 2x
+#: between runs on the same machine (benchmarks/results/step-time.md), where a device-bound
+#: step's moves by 2 %.
+HOST_BOUND = 0.9
+HOST_BOUND_NOTE = ("host-bound: the host issuing kernels, not the GPU, sets the pace (the GPU is idle for more than a "
+                   "tenth of the step), so the host's speed moves this time, by up to 2x between runs")
+
+
+def step_time(row) -> str:
+    """A plan's predicted step time for display, ``*`` marking a host-bound step (:data:`HOST_BOUND`)."""
+    return f"{1e3 * row['seconds']:.1f} ms" + ("*" if row.get("device_share", 1.0) < HOST_BOUND else "")
+
+
 def plan_table(advice: "Advice", table: pd.DataFrame | None = None, where: str | None = None):
     """The ranked plans as a rich table that fits 80 columns: plan names whole,
     peak reserved (what must fit), the saving against the baseline, the step time."""
@@ -623,8 +641,11 @@ def plan_table(advice: "Advice", table: pd.DataFrame | None = None, where: str |
     table = advice.table if table is None else table
     base = advice.table.loc["baseline"] if "baseline" in advice.table.index else None
     where = where or advice.gpu.name
+    caption = "fastest that fits first; saves: peak reserved below the baseline (the step as it is)"
+    if "device_share" in table and (table["device_share"] < HOST_BOUND).any():
+        caption += f"\n* {HOST_BOUND_NOTE}"
     t = Table(title=f"plans for {fmt_bytes(advice.budget)} per rank on {where}, {advice.world_size} rank(s)",
-              caption="fastest that fits first; saves: peak reserved below the baseline (the step as it is)", title_justify="left",
+              caption=caption, title_justify="left",
               caption_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), show_edge=False)
     t.add_column("plan", no_wrap=True)
     for col in ("peak\nreserved", "saves\nvs now", "fits", "step\ntime", "vs\nnow"):
@@ -634,7 +655,7 @@ def plan_table(advice: "Advice", table: pd.DataFrame | None = None, where: str |
             f"{fmt_bytes(base['peak_reserved'] - r['peak_reserved'])} "
             f"{100 * (1 - r['peak_reserved'] / base['peak_reserved']):.0f}%")
         t.add_row(str(name), fmt_bytes(r["peak_reserved"]), saved, "yes" if r["fits"] else "no",
-                  f"{1e3 * r['seconds']:.1f} ms", f"{100 * (r['slowdown'] - 1):+.0f}%", style=None if r["fits"] else "dim")
+                  step_time(r), f"{100 * (r['slowdown'] - 1):+.0f}%", style=None if r["fits"] else "dim")
     return t
 
 

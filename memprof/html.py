@@ -428,6 +428,8 @@ def advice_figure(advice: "Advice", verified: pd.DataFrame | None = None) -> "go
 
 
 def _plan_table(advice: "Advice", verified: pd.DataFrame | None) -> str:
+    from .advisor import HOST_BOUND, HOST_BOUND_NOTE, step_time
+
     t = _plans(advice, verified)
     base = t.loc["baseline"] if "baseline" in t.index else None
     measured = "measured_peak_reserved" in t or "error" in t
@@ -440,7 +442,7 @@ def _plan_table(advice: "Advice", verified: pd.DataFrame | None) -> str:
         saves = "" if saved is None else f"{fmt_bytes(saved)} ({100 * saved / base['peak_reserved']:.0f} %)"
         cls = "best" if name == advice.best else ("" if r["fits"] else "nofit")
         cells = (f'<td>{html.escape(str(name))}</td>{_cell(r["peak_reserved"])}{_cell(r["peak_allocated"])}'
-                 f'<td>{saves}</td><td>{"yes" if r["fits"] else "no"}</td><td>{1e3 * r["seconds"]:.1f} ms</td>'
+                 f'<td>{saves}</td><td>{"yes" if r["fits"] else "no"}</td><td>{step_time(r)}</td>'
                  f'<td>{100 * (r["slowdown"] - 1):+.0f} %</td>')
         if measured:
             error = r.get("error")
@@ -455,8 +457,10 @@ def _plan_table(advice: "Advice", verified: pd.DataFrame | None) -> str:
         rows.append(f'<tr class="{cls}" data-plan="{html.escape(str(name))}">{cells}'
                     f'<td class="why">{html.escape(str(r["why"]))}</td></tr>')
     head_html = "".join(f"<th>{h}</th>" for h in head) + '<th class="why">why</th>'
+    note = (f'<p class="note">* {html.escape(HOST_BOUND_NOTE)}</p>'
+            if "device_share" in t and (t["device_share"] < HOST_BOUND).any() else "")
     return (f'<div class="wide"><table id="plan-table"><thead><tr>{head_html}</tr></thead>'
-            f'<tbody>{"".join(rows)}</tbody></table></div>')
+            f'<tbody>{"".join(rows)}</tbody></table>{note}</div>')
 
 
 def advice_html(advice: "Advice", verified: pd.DataFrame | None = None, title: str | None = None) -> str:

@@ -29,8 +29,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import pandas as pd
@@ -328,7 +329,8 @@ class ScriptAdvice(Advice):
             "script_does": None if self.facts is None else asdict(self.facts),
             "skipped": dict(self.skipped),
             "failed": dict(self.failed),
-            "plans": self.table.reset_index().to_dict(orient="records"),
+            "plans": [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}  # JSON has no NaN
+                      for row in self.table.reset_index().to_dict(orient="records")],
             "verified": None if self.verified is None else self.verified.reset_index().to_dict(orient="records"),
             "baseline": self.baseline.to_dict(),
         }
@@ -352,6 +354,9 @@ class _Schedule:
         #: Per plan key: (tracker step of this run, derived counters or None), then its report view.
         self.steps_of: dict[tuple, tuple[int, Any]] = {}
         self.views: dict[tuple, Report] = {}
+        #: Per plan key, on the simulated GPU: the seconds the device was busy in its step.
+        self.busy: dict[tuple, float] = {}
+        self._busy_at: tuple[Any, float] = (None, 0.0)  # the simulated device and its busy seconds at the last step's end
         self.failed: dict[str, str] = {}
         #: Plans left out because the script already does what they would (plan -> why).
         self.skipped: dict[str, str] = {}
@@ -391,6 +396,9 @@ class _Schedule:
             events, allocator.events = allocator.events, []
             if self._done == 1 and self.steps > 1 and key and key not in self.sampled:
                 derived = replay_step(allocator.model, events)
+            since = self._busy_at[1] if self._busy_at[0] is allocator else 0.0  # a new run: a new device
+            self._busy_at = (allocator, allocator.busy)
+            self.busy[key] = derived.busy if derived is not None else allocator.busy - since
         if self._done < self.steps and derived is None:
             return True
         self.steps_of[key] = (tracker.step - 1, derived)
@@ -416,7 +424,7 @@ class _Schedule:
             for key, (step, derived) in self.steps_of.items():
                 view = _step_view(report, step)
                 if derived is not None:
-                    view.steps.loc[:, ["peak_allocated", "peak_reserved", "seconds"]] = [derived]
+                    view.steps.loc[:, ["peak_allocated", "peak_reserved", "seconds"]] = [derived[:3]]
                 self.views[key] = view
         self.steps_of.clear()
         self._current = None
@@ -525,7 +533,7 @@ def advise_script(
     preds = {}
     for name, strategies in built.items():
         if schedule.keys[name] in schedule.views and name not in schedule.failed and name not in schedule.skipped:
-            pred = _prediction(schedule.views[schedule.keys[name]], strategies)
+            pred = _prediction(schedule.views[schedule.keys[name]], strategies, schedule.busy.get(schedule.keys[name]))
             preds[name] = _adjusted(pred, strategies, baseline, gpu)
     table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin)
     return ScriptAdvice(nbytes, gpu, world_size, table, baseline, plans, script=str(path), simulated=simulate,
@@ -561,11 +569,12 @@ def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> 
     return meta or {}
 
 
-def _prediction(view: Report, strategies: list):
+def _prediction(view: Report, strategies: list, busy: float | None = None):
     from memprof.strategies import Prediction
 
     # Each observed step ran one of K micro-batches: a real step runs K.
-    return Prediction.from_report(view, time_factor=_micro_batches(strategies))
+    k = _micro_batches(strategies)
+    return replace(Prediction.from_report(view, time_factor=k), device_seconds=None if busy is None else busy * k)
 
 
 def verify_script(advice: ScriptAdvice, args: Sequence[str] = (), *, top: int = 3, steps: int = 3) -> pd.DataFrame:

@@ -23,7 +23,7 @@ import os
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ from .report import Report
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
 
-__all__ = ["SimulatedAllocator", "TimeModel", "simulate", "replay_step", "usable_bytes"]
+__all__ = ["SimulatedAllocator", "StepCounters", "TimeModel", "simulate", "replay_step", "usable_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,9 @@ class SimulatedAllocator(TorchDispatchMode):
         self.time_model = time_model or TimeModel()
         #: The host's and the device's clocks (simulated seconds; see TimeModel).
         self.host = self.device = 0.0
+        #: The seconds the device spent running kernels and copies: less than
+        #: the step's where it waited for the host (a host-bound step).
+        self.busy = 0.0
         #: What the device's work is made of.
         self.flops = 0
         self.bytes_moved = 0
@@ -204,8 +207,8 @@ class SimulatedAllocator(TorchDispatchMode):
         #: for a kernel (its device time, the handles of the outputs it allocated,
         #: the host's time to issue it), ``("o", host seconds)`` for an operator
         #: without a kernel, ``("t", seconds, host seconds, synchronize)`` for a
-        #: transfer and ``("c", seconds)`` for time charged to both clocks (see
-        #: :func:`replay_step`).
+        #: transfer and ``("c", seconds, busy seconds)`` for time charged to both
+        #: clocks (:meth:`charge`; see :func:`replay_step`).
         self.events: list[tuple] | None = None
         self._handles: dict[weakref.ref, int] = {}
         #: cuBLAS's workspaces taken so far, by thread: autograd's (True) or the training thread's.
@@ -218,19 +221,28 @@ class SimulatedAllocator(TorchDispatchMode):
         """Simulated time: when both the host and the device are done."""
         return max(self.host, self.device)
 
-    @seconds.setter
-    def seconds(self, value: float) -> None:
-        # Time charged to the step as a whole (repeated micro-batches): both clocks move.
-        delta = value - self.seconds
-        self.host += delta
-        self.device += delta
+    def charge(self, seconds: float, busy: float) -> None:
+        """Time charged to the step as a whole (repeated micro-batches): both
+        clocks move by ``seconds``, of which the device ran for ``busy``."""
+        self.host += seconds
+        self.device += seconds
+        self.busy += busy
         if self.events is not None:
-            self.events.append(("c", delta))
+            self.events.append(("c", seconds, busy))
 
     def clock(self) -> float:
         """Simulated time, after a synchronisation: memprof.track times steps with it."""
         self.host = self.device = self.seconds
         return self.host
+
+    def mark(self) -> tuple[float, float]:
+        """A step's start for :meth:`since`: the clock (synchronised) and the busy seconds so far."""
+        return self.clock(), self.busy
+
+    def since(self, mark: tuple[float, float]) -> "StepCounters":
+        """The peaks since the last reset; the seconds and the device's busy seconds since ``mark``."""
+        return StepCounters(self.model.peak_allocated, self.model.peak_reserved, self.clock() - mark[0],
+                            self.busy - mark[1])
 
     def transfer(self, nbytes: int, bandwidth: float, synchronize: bool = False, host_ops: int = 1) -> None:
         """A copy between host and device of ``nbytes`` at ``bandwidth`` bytes/s.
@@ -249,6 +261,7 @@ class SimulatedAllocator(TorchDispatchMode):
         seconds = nbytes / (bandwidth * self.time_model.link_efficiency)
         self.host += host
         self.device = max(self.device, self.host) + seconds
+        self.busy += seconds
         if synchronize:
             self.host = self.device
         if self.events is not None:
@@ -323,11 +336,13 @@ class SimulatedAllocator(TorchDispatchMode):
                 h = handles.pop(e[1])
                 self.model.free(h)
                 e = ("f", h)
-            elif kind == "c":  # as the seconds setter charges it
+            elif kind == "c":  # as charge() charges it
                 self.host += e[1]
                 self.device += e[1]
+                self.busy += e[2]
             else:
                 self.host, self.device = _tick(self.host, self.device, e)
+                self.busy += _busy(e)
                 if kind == "k":
                     e = ("k", e[1], [handles[h] for h in e[2]], e[3])
             if self.events is not None:
@@ -393,6 +408,7 @@ class SimulatedAllocator(TorchDispatchMode):
         tf32 = torch.backends.cudnn.allow_tf32 if conv else matmul and torch.backends.cuda.matmul.allow_tf32
         seconds = self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32, kind)
         self.device = max(self.device, self.host) + seconds
+        self.busy += seconds
         if self.events is not None:
             self.events.append(("k", seconds, [h for h in made if h is not None], host))
         self.flops += flops
@@ -419,7 +435,16 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
 
 
-def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> tuple[int, int, float] | None:
+class StepCounters(NamedTuple):
+    """A simulated step's peaks, its seconds, and the seconds the device was busy in it."""
+
+    peak_allocated: int
+    peak_reserved: int
+    seconds: float
+    busy: float
+
+
+def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> StepCounters | None:
     """The step after a simulated one, from its ``events`` alone.
 
     A training step's second run does what its first did, less what the
@@ -428,16 +453,15 @@ def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> tuple[int,
     events, without those, replayed on the allocator ``model`` as it stands
     after the first run, give the second run's counters, and its time is
     that of the first run's operators less the kernels that only made such
-    blocks, on the two clocks of :class:`TimeModel`. Returns the peak
-    allocated and reserved bytes and the seconds of the second run, or None
-    where the events are not a step that repeats: one that frees a block made
-    before it.
+    blocks, on the two clocks of :class:`TimeModel`. Returns the second
+    run's counters, or None where the events are not a step that repeats: one
+    that frees a block made before it.
     """
     made = {e[1] for e in events if e[0] == "m"}
     kept = made - {e[1] for e in events if e[0] == "f"}
     model.reset_peak()
     handles: dict[int, int] = {}
-    host = device = 0.0
+    host = device = busy = 0.0
     for e in events:
         kind = e[0]
         if kind == "m":
@@ -449,7 +473,13 @@ def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> tuple[int,
             model.free(handles.pop(e[1]))
         elif not (kind == "k" and e[2] and all(h in kept for h in e[2])):
             host, device = _tick(host, device, e)
-    return model.peak_allocated, model.peak_reserved, max(host, device)
+            busy += _busy(e)
+    return StepCounters(model.peak_allocated, model.peak_reserved, max(host, device), busy)
+
+
+def _busy(e: tuple) -> float:
+    """The device's busy seconds in the time event ``e``."""
+    return e[2] if e[0] == "c" else e[1] if e[0] in ("k", "t") else 0.0
 
 
 def _tick(host: float, device: float, e: tuple) -> tuple[float, float]:

@@ -29,12 +29,19 @@ class Door(str, Enum):
 
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted peak device memory and step time of a plan (per rank)."""
+    """Predicted peak device memory and step time of a plan (per rank).
+
+    ``device_seconds``: the part of ``seconds`` the device is busy (kernels,
+    copies), where the simulation knows it. Well below ``seconds``, the host
+    issuing the kernels sets the step's pace (a host-bound step), and the
+    host's speed moves such a step's measured time by up to 2x between runs
+    (benchmarks/results/step-time.md)."""
 
     peak_allocated: int
     peak_reserved: int
     seconds: float
     report: Report | None = None
+    device_seconds: float | None = None
 
     @classmethod
     def from_report(cls, report: Report, time_factor: float = 1.0) -> "Prediction":
@@ -42,12 +49,14 @@ class Prediction:
         last = report.steps.iloc[-1]
         return cls(int(last["peak_allocated"]), int(last["peak_reserved"]), float(last["seconds"]) * time_factor, report)
 
-    def minus(self, nbytes: int, seconds: float = 0.0) -> "Prediction":
+    def minus(self, nbytes: int, seconds: float = 0.0, busy: float = 0.0) -> "Prediction":
+        """``nbytes`` fewer at the peaks; ``seconds`` more, of which the device is busy for ``busy``."""
         return replace(
             self,
             peak_allocated=max(self.peak_allocated - nbytes, 0),
             peak_reserved=max(self.peak_reserved - nbytes, 0),
             seconds=self.seconds + seconds,
+            device_seconds=None if self.device_seconds is None else self.device_seconds + busy,
         )
 
 

@@ -184,7 +184,8 @@ class ZeRO(Strategy):
             computing = kind in _COMPUTING or computing and kind in (Phase.LOSS, Phase.ZERO_GRAD)
             values.append(self._bytes(s, kind, computing, params, baseline, step_peak if unsampled else 0))
         peak = max(values, default=step_peak)
-        return prediction.minus(prediction.peak_allocated - peak, self._seconds(params, gpu))
+        moved, host = self._seconds(params, gpu)
+        return prediction.minus(prediction.peak_allocated - peak, moved + host, busy=moved)
 
     def _bytes(self, sample, kind: Phase | None, computing: bool, params: int, baseline: Report, step_peak: int) -> int:
         """This rank's peak bytes in the interval ending at ``sample`` (for the
@@ -214,7 +215,9 @@ class ZeRO(Strategy):
                 extra += block or params  # the block's gradients before their reduce-scatter
         return allocated + before + extra
 
-    def _seconds(self, params: int, gpu) -> float:
+    def _seconds(self, params: int, gpu) -> tuple[float, float]:
+        """Seconds a step adds: moving parameters and gradients (the device's
+        links), and the host's optimizer step with offload (the device idles)."""
         n = self.world_size
         # Parameter volumes moved a step: DDP's all-reduce (2) and the optimizer's
         # broadcast (1) for stage 1; reduce-scatter + one all-gather (2) for stage
@@ -226,8 +229,8 @@ class ZeRO(Strategy):
             shard = params / n
             link = gpu.pcie_bandwidth * TimeModel.link_efficiency
             seconds += (gathers + 1) * shard / link  # shards in, gradients out
-            seconds += shard / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_ADAM_RATE  # this rank's shard, its threads
-        return seconds
+            return seconds, shard / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_ADAM_RATE  # this rank's shard, its threads
+        return seconds, 0.0
 
 
 class StateOffload(ZeRO):

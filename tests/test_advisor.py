@@ -1,6 +1,7 @@
 """The advisor on the CPU: budgets, plans, ranking on the simulated GPU, max batch size."""
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from memprof.simulate import NON_PYTORCH_BYTES
 from memprof.strategies import Accumulation, Autocast, Checkpointing, ZeRO
 from memprof.units import fmt_bytes
 from memprof.workload import Workload
+from conftest import cuda
 from models import FF, MiB, mlp
 
 H100 = get_gpu("h100")
@@ -121,7 +123,8 @@ def advice(predictions):
 def test_advise_ranks_fastest_fitting_first(advice, predictions):
     base, bf16_ckpt = predictions
     t = advice.table
-    assert list(t.columns) == ["peak_allocated", "peak_reserved", "fits", "seconds", "slowdown", "why"]
+    assert list(t.columns) == ["peak_allocated", "peak_reserved", "fits", "seconds", "slowdown", "device_share", "why"]
+    assert ((t["device_share"] > 0) & (t["device_share"] <= 1)).all()
     assert t.index.name == "plan" and set(t.index) == set(default_plans())
     assert advice.budget == bf16_ckpt.peak_reserved and advice.gpu is H100 and advice.world_size == 1
     # A plan fits when its predicted peak reserved is within the budget (margin 0).
@@ -320,7 +323,29 @@ def test_plans_on_one_build_equal_their_own_simulations():
         # A tracked step is timed between optimizer steps, a derived one over Workload.step: the host's
         # few operators after the optimizer step fall on either side of the synchronisation.
         assert got.seconds == pytest.approx(full.seconds, rel=0.02), name
+        assert got.device_seconds == pytest.approx(full.device_seconds, rel=0.02), name
+        assert 0 < got.device_seconds <= got.seconds, name
     assert base.meta["plan"] == "baseline" and base.steps["step"].tolist() == [0, 1]
+
+
+def _needs_fork() -> None:
+    from memprof.parallel import can_fork
+
+    if not can_fork():
+        pytest.skip("this process cannot fork simulations (CUDA is initialised here, or not on Linux)")
+
+
+@cuda
+def test_a_simulation_leaves_cuda_uninitialised():
+    """On a machine with a GPU, simulating touches no real device, so the plans can still fork."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from test_advisor import block_workload; from memprof.advisor import simulate_plan;"
+            "from memprof.devices import get_gpu; simulate_plan(block_workload, list, get_gpu('h200'));"
+            "print(torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "False"
 
 
 class _Progress:
@@ -342,13 +367,14 @@ def test_plans_in_forked_processes_equal_plans_in_this_one():
     process, to the bit (each starts from the build's state and clock)."""
     from memprof.advisor import simulate_plans
 
+    _needs_fork()
     gpu = get_gpu("h200")
     plans = lambda: {name: factory() for name, factory in default_plans(2, gpu=gpu).items()}  # noqa: E731
     runs = {}
     for jobs in (1, 2):
         progress = _Progress()
         base, preds = simulate_plans(block_workload, plans(), gpu, jobs=jobs, advance=progress)
-        runs[jobs] = {name: (p.peak_allocated, p.peak_reserved, p.seconds) for name, p in preds.items()}
+        runs[jobs] = {name: (p.peak_allocated, p.peak_reserved, p.seconds, p.device_seconds) for name, p in preds.items()}
         assert sorted(progress.done) == sorted(plans())  # every plan once
         # One plan per distinct one-rank step starts (ZeRO's and state offload's share theirs).
         assert len(progress.started) == len(set(progress.started)) == 17
@@ -390,6 +416,7 @@ def test_plans_that_fail_in_a_forked_process():
     exception that cannot be pickled comes back as a RuntimeError with its message."""
     from memprof.advisor import simulate_plans
 
+    _needs_fork()  # in this process, the plan that ends its process would end the tests
     gpu = get_gpu("h200")
     plans = {"baseline": [], "broken": [_Fails("raise")], "unpicklable": [_Fails("unpicklable")],
              "exit": [_Fails("exit")], "accum2": [Accumulation(2)], "ckpt": [Checkpointing()], "bf16": [Autocast("bf16")]}
@@ -439,8 +466,8 @@ def test_a_replayed_optimizer_step_changes_nothing(monkeypatch):
     assert replays == []
     for name, pred in run.items():
         got = replayed[name]
-        assert (got.peak_allocated, got.peak_reserved, got.seconds) == (
-            pred.peak_allocated, pred.peak_reserved, pred.seconds), name
+        assert (got.peak_allocated, got.peak_reserved, got.seconds, got.device_seconds) == (
+            pred.peak_allocated, pred.peak_reserved, pred.seconds, pred.device_seconds), name
 
 
 @pytest.mark.parametrize("make_optimizer", [
@@ -503,14 +530,38 @@ def test_repeated_micro_batches_run_once_and_change_nothing():
             w.repeats = _Repeats(allocator) if skip else None
             for _ in range(2):
                 allocator.reset_peak()
-                start = allocator.seconds
+                start = allocator.mark()
                 w.step()
-            m = allocator.model
-            results.append((m.peak_allocated, m.peak_reserved, round(allocator.seconds - start, 12), len(calls)))
-    (full_a, full_r, full_s, full_n), (a, r, s, n) = results
+            c = allocator.since(start)
+            results.append((c.peak_allocated, c.peak_reserved, c.seconds, c.busy, len(calls)))
+    (full_a, full_r, full_s, full_b, full_n), (a, r, s, b, n) = results
     assert (a, r) == (full_a, full_r)
     assert s == pytest.approx(full_s, rel=0.01)  # skipped periods are charged as whole periods of both clocks
+    assert b == pytest.approx(full_b, rel=0.01) and 0 < b < s  # and of the device's busy time
     assert full_n == 16 and n < 12  # two steps of 8 micro-batches, and far fewer run
+
+
+def test_small_steps_are_host_bound_and_large_ones_device_bound():
+    """The device's busy share of a step: a handful of tiny kernels leave it idle while
+    the host issues them; large matrix products keep it busy the whole step. The
+    table says which, and the rendered table marks host-bound steps."""
+    def make(batch: int, width: int):
+        def workload():
+            model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)).cuda()
+            return Workload(model, torch.optim.SGD(model.parameters()), torch.randn(batch, width, device="cuda"),
+                            lambda m, x: m(x).square().mean())
+        return workload
+
+    tiny = simulate_plan(make(8, 64), list, H100)
+    large = simulate_plan(make(16384, 8192), list, H100)
+    assert tiny.device_seconds / tiny.seconds < 0.5  # each kernel its fixed gap (TimeModel.per_kernel), no more
+    assert large.device_seconds / large.seconds > 0.99
+    a = advise(make(8, 64), "1GiB", target="h100", plans={"baseline": list}, progress=False)
+    assert a.table.loc["baseline", "device_share"] == pytest.approx(tiny.device_seconds / tiny.seconds, rel=0.02)
+    console = Console(record=True, width=80)
+    console.print(a)
+    text = console.export_text()
+    assert f"{1e3 * a.table.loc['baseline', 'seconds']:.1f} ms*" in text and "* host-bound" in text
 
 
 def test_a_plan_is_undone_after_its_step():

@@ -231,7 +231,8 @@ def test_advice_page_holds_each_plan(advice, tmp_path):
         assert cells["peak reserved"] == fmt_bytes(p["peak_reserved"])
         assert int(r[1][1][0]["data-bytes"]) == p["peak_reserved"]
         assert int(r[1][2][0]["data-bytes"]) == p["peak_allocated"]
-        assert cells["fits"] == ("yes" if p["fits"] else "no") and cells["step time"] == f"{1e3 * p['seconds']:.1f} ms"
+        assert cells["fits"] == ("yes" if p["fits"] else "no") and cells["step time"] == (
+            f"{1e3 * p['seconds']:.1f} ms" + ("*" if p["device_share"] < 0.9 else ""))
         assert r[0]["class"] == ("best" if name == advice.best else "" if p["fits"] else "nofit")
         if name in verified.index:
             m = verified.loc[name]
@@ -239,6 +240,7 @@ def test_advice_page_holds_each_plan(advice, tmp_path):
             assert cells["measured step time"] == f"{1e3 * m['measured_seconds']:.1f} ms"
         else:
             assert cells["measured reserved"] == ""
+    assert ("* host-bound: the host issuing kernels" in page) == bool((t["device_share"] < 0.9).any())
     fig = figures(page)
     assert set(fig) == {"plan-plot", "timeline-plot", "module-plot"}
     bars = {b["name"]: b for b in fig["plan-plot"]["data"]}
