@@ -221,9 +221,15 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
     keys = {name: tuple(s.name for s in ss if s.simulated) for name, ss in rest.items()}
     # Strategies accounted for afterwards (sharding) read the samples of a steady step.
     sampled = {keys[name] for name, ss in rest.items() if not all(s.simulated for s in ss)}
+    # One job per distinct one-rank step, the step as it is (key ()) first: the plans
+    # sharing a step (they differ in what is accounted for afterwards) share its result.
+    sharing: dict[tuple, list[str]] = {(): []}
+    for name in rest:
+        sharing.setdefault(keys[name], []).append(name)
     results: dict[tuple, Any] = {}
     failed: dict[str, Exception] = {}
-    jobs = jobs if can_fork() else 1  # decided before the simulated CUDA stands in for the real one
+    # Decided before the simulated CUDA stands in for the real one.
+    forked = jobs > 1 and len(sharing) > 2 and can_fork()
     with VirtualCUDA(gpu, allocator=allocator) as device:
         with torch.device("meta"):
             w = make_workload()
@@ -234,22 +240,25 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
         w.repeats = _Repeats(allocator)
         optimizer_steps = _OptimizerSteps()
         built = copy.deepcopy(allocator.model), allocator.mark()
-        results[()] = _tracked_steps(w, steps, track, allocator)
-        report = results[()][0]
 
-        def run(name: str) -> tuple[str, Any]:
-            """One plan's steps from the build's state: ("ok", its result), ("failed", why),
-            or ("broken", why) when it failed midway through a step (the build is unusable)."""
-            strategies = rest[name]
+        def run(key: tuple) -> tuple[str, Any]:
+            """One step from the build's state: ("ok", its result), ("failed", why),
+            or ("broken", why) when it failed midway through a step (the build is unusable).
+            The step as it is runs tracked: its report, counters and the simulation's notes."""
+            if key == ():
+                try:
+                    return "ok", (*_tracked_steps(w, steps, track, allocator), dict(device.notes))
+                except Exception as exc:
+                    return "broken", exc
             with ExitStack() as undo:
                 try:
-                    undo.enter_context(w.plan(strategies, simulated=True))
+                    undo.enter_context(w.plan(rest[sharing[key][0]], simulated=True))
                     split_batch(w.batch, w.micro_batches)  # a batch the micro-batches do not divide fails here
                     _restart(w, allocator, built)
                 except Exception as exc:
                     return "failed", exc
                 try:  # tracking costs time: only steps whose samples are read are tracked
-                    if keys[name] in sampled:
+                    if key in sampled:
                         return "ok", _tracked_steps(w, steps, track, allocator)
                     result = _plan_counters(w, allocator, steps, optimizer_steps)
                     if result is None:  # not derivable with a replayed optimizer step
@@ -259,29 +268,30 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
                 except Exception as exc:
                     return "broken", exc
 
-        # One plan per distinct step; the others with its strategies share its result.
-        sharing: dict[tuple, list[str]] = {}
-        for name in rest:
-            sharing.setdefault(keys[name], []).append(name)
-        todo = [names[0] for key, names in sharing.items() if key not in results]
-        for name in rest:
-            if keys[name] in results and advance is not None:
-                advance(name)
-        start = getattr(advance, "now", None)
-        if jobs > 1 and len(todo) > 1:
-            outcomes = run_forked(run, todo, jobs, start)
-        else:
-            outcomes = _in_turn(run, todo, start)
-        for name, status, value in outcomes:
-            if status == "ok":
-                results[keys[name]] = value
-                done = sharing[keys[name]]
+        def start(key: tuple) -> None:
+            if sharing[key] and hasattr(advance, "now"):
+                advance.now(sharing[key][0])
+
+        # Forked, the step as it is runs in a process of its own too: a backward in this
+        # process would leave its forked copies unable to run one (memprof.parallel).
+        outcomes = run_forked(run, list(sharing), jobs, start) if forked else _in_turn(run, list(sharing), start)
+        for key, status, value in outcomes:
+            if key == ():
+                if status != "ok":
+                    raise value
+                tracked, counters, notes = value
+                results[()] = tracked, counters
+                device.notes.update(notes)
+            elif status == "ok":
+                results[key] = value
             else:
-                failed[name] = value
-                done = [name]
-            for n in done:
+                failed[sharing[key][0]] = value
+            for name in sharing[key] if status == "ok" else sharing[key][:1]:
                 if advance is not None:
-                    advance(n)
+                    advance(name)
+    if () not in results:
+        raise RuntimeError("the step as it is could not be simulated: its process ended without an answer")
+    report = results[()][0]
     report.source = "simulate"
     report.meta.update(units, target=gpu.name, host="cpu" if not torch.cuda.is_available() else "cuda",
                        plan=_name(base))
@@ -290,7 +300,7 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
     return report, {name: results[keys[name]] for name in rest if keys[name] in results}, failed
 
 
-def _in_turn(run, names: list[str], start) -> Iterator[tuple[str, str, Any]]:
+def _in_turn(run, names: list, start) -> Iterator[tuple[Any, str, Any]]:
     """``run`` for each name in this process, until a build is broken."""
     for name in names:
         if start is not None:

@@ -10,8 +10,8 @@ pickled. Results equal those of one process plan by plan
 way.
 
 Forking is used only where it is safe and worth it: on Linux (macOS's
-system frameworks do not survive ``fork``), on a machine without a visible
-accelerator (autograd's per-device threads do not survive it either:
+system frameworks do not survive ``fork``), where autograd's per-device
+threads have not started in this process (they do not survive it either:
 :func:`can_fork`), and for two plans or more.
 """
 
@@ -42,19 +42,36 @@ def default_jobs() -> int:
 
 
 def can_fork() -> bool:
-    """Whether this process may fork simulations: on Linux, without an accelerator.
+    """Whether this process may fork simulations: on Linux, with CUDA not
+    initialised (a forked child could not use it), and with autograd able to
+    run backward in a forked child.
 
     A process's first backward starts one autograd thread per device of its
-    accelerator, and a forked child of it cannot run backward at all
-    (PyTorch's "Autograd and Fork" note): where a GPU is visible, the plans
-    run in turn. So they do where CUDA is initialised (a child could not use it)."""
-    return (sys.platform.startswith("linux") and not torch.cuda.is_initialized()
-            and torch.accelerator.device_count() == 0)
+    accelerator, and a child forked after that cannot run backward at all
+    (PyTorch's "Autograd and Fork" note). Where an accelerator is visible,
+    a forked child tries a backward on a meta tensor to find out; the caller
+    then keeps backward out of this process (every step in a child)."""
+    if not sys.platform.startswith("linux") or torch.cuda.is_initialized():
+        return False
+    if torch.accelerator.device_count() == 0:
+        return True  # no per-device threads to lose
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads alive: see run_forked
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            x = torch.ones((), device="meta", requires_grad=True)
+            x.backward()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitpid(pid, 0)[1] == 0
 
 
-def run_forked(run: Callable[[str], tuple[str, Any]], names: Iterable[str], jobs: int,
-               start: Callable[[str], None] | None = None) -> Iterator[tuple[str, str, Any]]:
-    """``run(name)`` for every name in ``jobs`` forked processes, handing each
+def run_forked(run: Callable[[Any], tuple[str, Any]], names: Iterable[Any], jobs: int,
+               start: Callable[[Any], None] | None = None) -> Iterator[tuple[Any, str, Any]]:
+    """``run(name)`` for every name (any picklable value) in ``jobs`` forked processes, handing each
     process the next name when it answers: yields ``(name, status, value)`` as
     the answers come (``status`` as ``run`` returns it). ``start(name)`` is
     called in this process when a name is handed out.
@@ -69,7 +86,7 @@ def run_forked(run: Callable[[str], tuple[str, Any]], names: Iterable[str], jobs
     todo = list(names)
     sys.stdout.flush()  # what this process has buffered must not be written again by the children
     sys.stderr.flush()
-    workers: dict[Any, tuple[int, str | None]] = {}  # connection -> (pid, the name it runs)
+    workers: dict[Any, tuple[int, Any]] = {}  # connection -> (pid, the name it runs, or None)
     try:
         for _ in range(min(jobs, len(todo))):
             ours, theirs = Pipe()
@@ -90,10 +107,10 @@ def run_forked(run: Callable[[str], tuple[str, Any]], names: Iterable[str], jobs
                 except (EOFError, OSError):
                     got, status, value = None, "died", None
                 if status == "died":
-                    _close(conn, workers)
+                    code = os.waitstatus_to_exitcode(_close(conn, workers))
                     if name is not None:
                         yield name, "failed", RuntimeError(
-                            f"the process simulating plan {name!r} ended without an answer (out of host memory?)")
+                            f"its process ended without an answer (exit code {code}; out of host memory?)")
                     continue
                 workers[conn] = (pid, None)
                 yield got, status, value
@@ -118,7 +135,8 @@ def _hand_out(conn, workers: dict, todo: list, start) -> None:
     conn.send(name)
 
 
-def _close(conn, workers: dict, kill: bool = False) -> None:
+def _close(conn, workers: dict, kill: bool = False) -> int:
+    """Tell the process at ``conn`` to stop (or kill it) and wait for it: its wait status."""
     pid, _ = workers.pop(conn)
     if kill:
         os.kill(pid, signal.SIGKILL)
@@ -128,7 +146,7 @@ def _close(conn, workers: dict, kill: bool = False) -> None:
         except OSError:
             pass
     conn.close()
-    os.waitpid(pid, 0)
+    return os.waitpid(pid, 0)[1]
 
 
 def _serve(conn, run) -> None:
