@@ -197,7 +197,8 @@ def simulate_plans(
                 outcome = replace(Prediction.from_report(outcome[0]), seconds=outcome[1].seconds,
                                   device_seconds=outcome[1].busy)
             elif isinstance(outcome, tuple):
-                outcome = Prediction(*outcome[:3], device_seconds=outcome.busy)
+                outcome = Prediction(outcome.peak_allocated, outcome.peak_reserved, outcome.seconds,
+                                     device_seconds=outcome.busy)
             preds[name] = outcome if isinstance(outcome, Exception) else _adjusted(
                 outcome, plans[name], baseline or report, gpu)
             pending.pop(name)
@@ -206,9 +207,10 @@ def simulate_plans(
 
 def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps: int, advance=None, jobs: int = 1):
     """One build: the base report; per plan simulated, a report of its steps
-    and their seconds untracked (where an adjustment reads their samples) or
-    its step's (peak allocated, peak reserved, seconds); and the plans that
-    failed, until a step fails midway (the plans after it are left out)."""
+    and the counters of one untracked (where an adjustment reads their
+    samples) or its step's counters (:class:`memprof.simulate.StepCounters`);
+    and the plans that failed. A process whose step fails midway stops (its
+    build is unusable): the plans no process ran are left out."""
     from memprof.strategies.zero import fsdp_units
 
     from .simulate import SimulatedAllocator, _state_tensors
@@ -229,7 +231,7 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
     results: dict[tuple, Any] = {}
     failed: dict[str, Exception] = {}
     # Decided before the simulated CUDA stands in for the real one.
-    forked = jobs > 1 and len(sharing) > 2 and can_fork()
+    forked = jobs > 1 and len(sharing) > 1 and can_fork()
     with VirtualCUDA(gpu, allocator=allocator) as device:
         with torch.device("meta"):
             w = make_workload()
