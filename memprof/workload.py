@@ -70,7 +70,8 @@ class Workload:
 
     def step(self) -> torch.Tensor | None:
         """One optimizer step over the whole batch; returns the last micro-batch's loss
-        (None in a simulation that did not need to run it)."""
+        (None in a simulation: there every micro-batch lets its loss go, so that the
+        last is one more like the others, which it may replay: ``repeats``)."""
         parts = split_batch(self.batch, self.micro_batches)
         device_type = _device_type(self.model, self.batch)
         i, last = 0, None
@@ -90,7 +91,7 @@ class Workload:
                 loss = self.loss_fn(self.model, part) / len(parts)
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             i += 1
-            if i == len(parts):
+            if i == len(parts) and self.repeats is None:
                 last = loss.detach()
             del loss  # each micro-batch starts from the same tensors
         if self.scaler is not None:

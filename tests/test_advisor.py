@@ -1,6 +1,7 @@
 """The advisor on the CPU: budgets, plans, ranking on the simulated GPU, max batch size."""
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,21 @@ def test_advise_bad_arguments(kw, match):
 
 
 # -- max_batch_size ----------------------------------------------------------------------
+def _optimizer_replays(monkeypatch) -> list:
+    """The events of every optimizer step replayed from now on (``SimulatedAllocator.replay``
+    called by ``_OptimizerSteps``' step, not by ``_Repeats`` for micro-batches)."""
+    from memprof.simulate import SimulatedAllocator
+
+    replays, replay = [], SimulatedAllocator.replay
+
+    def spy(self, events):
+        if sys._getframe(1).f_code.co_name == "step":
+            replays.append(events)
+        return replay(self, events)
+
+    monkeypatch.setattr(SimulatedAllocator, "replay", spy)
+    return replays
+
 def _fits(b: int, budget: int, margin: float = 0.05) -> bool:
     p = simulate_plan(lambda: ff_workload(b), list, H100)
     return p.peak_reserved * (1 + margin) <= budget
@@ -219,11 +235,8 @@ def test_max_batch_size_replays_the_optimizer_step_across_batch_sizes(monkeypatc
     step runs at the first size tried and is replayed at the others, with the
     answer of running it at each."""
     from memprof.advisor import _OptimizerSteps
-    from memprof.simulate import SimulatedAllocator
 
-    replays, calls = [], []
-    replay = SimulatedAllocator.replay
-    monkeypatch.setattr(SimulatedAllocator, "replay", lambda self, events: replays.append(1) or replay(self, events))
+    replays, calls = _optimizer_replays(monkeypatch), []
     sizes = lambda n: calls.append(n) or ff_workload(n)  # noqa: E731
     b = max_batch_size(sizes, 160 * MiB, target="h100")
     # Every size but the first and the answer's full simulation (tracked) is replayed.
@@ -444,12 +457,9 @@ def test_a_replayed_optimizer_step_changes_nothing(monkeypatch):
     from its allocation events for the others, gives every plan the bytes and
     seconds running it gives."""
     from memprof.advisor import _OptimizerSteps, simulate_plans
-    from memprof.simulate import SimulatedAllocator
 
     gpu = get_gpu("h200")
-    replays = []
-    replay = SimulatedAllocator.replay
-    monkeypatch.setattr(SimulatedAllocator, "replay", lambda self, events: replays.append(events) or replay(self, events))
+    replays = _optimizer_replays(monkeypatch)
     plans = lambda: {name: factory() for name, factory in default_plans(1, gpu=gpu).items()}  # noqa: E731
     _, replayed = simulate_plans(block_workload, plans(), gpu, jobs=1)  # the replays counted here
     # 20 plans: the baseline and bf16 steps are tracked (state offload's adjustment reads their
@@ -482,11 +492,8 @@ def test_a_replayed_optimizer_step_changes_nothing(monkeypatch):
 ], ids=["sgd-momentum", "adamw-fused", "adam-for-loop", "adafactor", "rmsprop", "adamw-steplr"])
 def test_other_optimizers_replay_as_they_run(monkeypatch, make_optimizer):
     from memprof.advisor import _OptimizerSteps, simulate_plans
-    from memprof.simulate import SimulatedAllocator
 
-    replays = []
-    replay = SimulatedAllocator.replay
-    monkeypatch.setattr(SimulatedAllocator, "replay", lambda self, events: replays.append(1) or replay(self, events))
+    replays = _optimizer_replays(monkeypatch)
 
     optimizers = []
 
@@ -509,9 +516,13 @@ def test_other_optimizers_replay_as_they_run(monkeypatch, make_optimizer):
             pred.peak_allocated, pred.peak_reserved, pred.seconds), name
 
 
-def test_repeated_micro_batches_run_once_and_change_nothing():
-    """With 8 micro-batches, the simulation stops running them once the
-    allocator's layout repeats; peaks and time equal running all 8."""
+@pytest.mark.parametrize("keeps", [False, True], ids=["replayed", "periods"])
+def test_repeated_micro_batches_run_once_and_change_nothing(keeps):
+    """With 8 micro-batches, the simulation runs two and replays the second's
+    events for the other six, with the bytes, seconds and busy seconds of
+    running all 8, to the bit. Where the second keeps a block past itself (a
+    loss function that holds on to the last micro-batch's output), it runs
+    them until the allocator's layout repeats and skips whole periods."""
     from memprof.advisor import _Repeats
     from memprof.simulate import SimulatedAllocator, _state_tensors
     from memprof.strategies import Accumulation
@@ -520,16 +531,23 @@ def test_repeated_micro_batches_run_once_and_change_nothing():
     gpu = get_gpu("h200")
     results = []
     for skip in (False, True):
-        calls = []
+        calls, held = [], {}
         allocator = SimulatedAllocator(gpu)
         with VirtualCUDA(gpu, allocator=allocator):
             with torch.device("meta"):
                 w = block_workload()
             allocator.adopt(_state_tensors(w.model, w.optimizer))
             loss_fn = w.loss_fn
-            w.loss_fn = lambda m, x: calls.append(1) or loss_fn(m, x)
+
+            def counted(m, x):
+                calls.append(1)
+                if keeps:
+                    held["last"] = m(x).detach()  # frees the one before: a block from an earlier micro-batch
+                return loss_fn(m, x)
+
+            w.loss_fn = counted
             Accumulation(8).apply(w)
-            w.repeats = _Repeats(allocator) if skip else None
+            w.repeats = _Repeats(allocator) if skip else (lambda i, n: 0)  # a simulation that runs every one
             for _ in range(2):
                 allocator.reset_peak()
                 start = allocator.mark()
@@ -537,10 +555,12 @@ def test_repeated_micro_batches_run_once_and_change_nothing():
             c = allocator.since(start)
             results.append((c.peak_allocated, c.peak_reserved, c.seconds, c.busy, len(calls)))
     (full_a, full_r, full_s, full_b, full_n), (a, r, s, b, n) = results
-    assert (a, r) == (full_a, full_r)
-    assert s == pytest.approx(full_s, rel=0.01)  # skipped periods are charged as whole periods of both clocks
-    assert b == pytest.approx(full_b, rel=0.01) and 0 < b < s  # and of the device's busy time
-    assert full_n == 16 and n < 12  # two steps of 8 micro-batches, and far fewer run
+    assert (a, r) == (full_a, full_r) and full_n == 16  # two steps of 8 micro-batches
+    assert 0 < b < s
+    if not keeps:
+        assert (s, b) == (full_s, full_b) and n == 4
+    else:  # skipped periods are charged as whole periods of both clocks
+        assert s == pytest.approx(full_s, rel=0.01) and b == pytest.approx(full_b, rel=0.01) and 4 < n < 12
 
 
 def test_small_steps_are_host_bound_and_large_ones_device_bound():
