@@ -240,7 +240,7 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
         units = fsdp_units(w.model)
         for s in base:
             s.apply_simulated(w)
-        w.repeats = _Repeats(allocator)
+        w.repeats = _Repeats(allocator, w.model)
         optimizer_steps = _OptimizerSteps()
         built = copy.deepcopy(allocator.model), allocator.mark()
 
@@ -446,50 +446,68 @@ def _restart(w: Workload, allocator, built) -> None:
 
 
 class _Repeats:
-    """``Workload.repeats`` on the simulated GPU.
+    """``Workload.repeats`` on the simulated GPU: micro-batches replayed, not run.
 
-    From the second micro-batch on, micro-batches run the same operators on
-    the same shapes from the same tensors (the gradients they add into exist
-    from the first one on), so they ask the allocator for the same blocks in
-    the same order and cost the same time. Where the second one frees only
-    blocks it made and keeps none, its events replayed on the allocator as
-    it stands (:meth:`SimulatedAllocator.replay`) are each later one's,
-    exactly: two micro-batches run, the others are replayed (a simulated
-    :meth:`Workload.step` keeps no micro-batch's loss, the last's neither).
-    Otherwise, once micro-batch ``i`` starts
-    from the layout micro-batch ``j`` started from (the caching allocator
-    answers the same requests from the same layout the same way),
+    Micro-batches run the same operators on the same shapes, so they ask the
+    allocator for the same blocks in the same order and cost the same time,
+    but for what the first one does first: autograd's ``AccumulateGrad``
+    takes each incoming gradient as the parameter's ``.grad`` (a ``detach``,
+    nothing copied) where later micro-batches add it into ``.grad`` (an
+    ``add_`` kernel) and free it; and the first matrix products take cuBLAS's
+    workspaces. So the first micro-batch runs with a hook after each
+    gradient's accumulation, and its events (:attr:`SimulatedAllocator.events`)
+    become a later one's: each ``detach`` before such a hook becomes an
+    ``add_`` and the free of the gradient's block, the workspaces are not
+    taken again. Where that accounts for every block the first one keeps,
+    the derived events replayed on the allocator as it stands
+    (:meth:`SimulatedAllocator.replay`) are each later micro-batch's,
+    exactly (tests/test_advisor.py): one micro-batch runs.
+
+    Otherwise the second runs too and, where it frees only blocks it made and
+    keeps none, its events are replayed for the others; else, once
+    micro-batch ``i`` starts from the layout micro-batch ``j`` started from,
     micro-batches ``j .. i-1`` repeat with period ``i - j``: whole periods are
     skipped, their time charged to the simulated clock, and the remainder
     runs, so the step ends in the layout a full run ends in.
     """
 
-    def __init__(self, allocator) -> None:
-        self.allocator = allocator
+    def __init__(self, allocator, model: torch.nn.Module) -> None:
+        self.allocator, self.model = allocator, model
         self._seen: dict[tuple, int] = {}
         self._starts: dict[int, tuple[float, float]] = {}  # micro-batch -> (simulated time, busy seconds)
-        self._second: tuple[int, bool, dict] | None = None  # where its events start, whether ours, workspaces
+        self._recording: tuple[int, bool, dict] | None = None  # where its events start, whether ours, workspaces
+        #: The first micro-batch's accumulations: (events before, the gradient's handle, the gradient).
+        self._grads: list[tuple[int, int | None, torch.Tensor]] = []
+        self._hooks: list = []
 
     def __call__(self, i: int, n: int) -> int:
         a = self.allocator
         if i == 0:
             self._seen.clear()
             self._starts.clear()
-        elif i == 1 and n > 2 and a.trace is None:  # record the second micro-batch (a trace wants every operator)
-            ours = a.events is None
-            if ours:
-                a.events = []
-            self._second = len(a.events), ours, dict(a._workspaces)
-        elif i == 2 and self._second is not None:
-            first, ours, workspaces = self._second
-            self._second = None
-            events = a.events[first:]
-            if ours:
-                a.events = None
-            made = {e[1] for e in events if e[0] == "m"}
-            if {e[1] for e in events if e[0] == "f"} == made and a._workspaces == workspaces:
+            if n > 1 and a.trace is None:  # a trace wants every operator run
+                self._record()
+                self._grads.clear()
+                self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated)
+                               for p in self.model.parameters() if p.requires_grad]
+        elif i == 1 and self._recording is not None:
+            for h in self._hooks:
+                h.remove()
+            first, workspaces = self._recorded()
+            later = self._later(first, workspaces)
+            self._grads.clear()
+            if later is not None:
+                for _ in range(n - 1):
+                    a.replay(later)
+                return n - 1
+            if n > 2:
+                self._record()
+        elif i == 2 and self._recording is not None:
+            second, workspaces = self._recorded()
+            made = {e[1] for e in second if e[0] == "m"}
+            if {e[1] for e in second if e[0] == "f"} == made and a._workspaces == workspaces:
                 for _ in range(n - 2):
-                    a.replay(events)
+                    a.replay(second)
                 return n - 2
         layout, now = a.model.layout(), (a.seconds, a.busy)
         j = self._seen.get(layout)
@@ -503,6 +521,50 @@ class _Repeats:
         self._seen.clear()  # the layouts seen map to other micro-batch numbers from here
         self._starts.clear()
         return cycles * period
+
+    def _record(self) -> None:
+        a = self.allocator
+        ours = a.events is None
+        if ours:
+            a.events = []
+        self._recording = len(a.events), ours, dict(a._workspaces)
+
+    def _recorded(self) -> tuple[list, dict]:
+        """The events since :meth:`_record`, and the workspaces there were then."""
+        (first, ours, workspaces), self._recording = self._recording, None
+        events = self.allocator.events[first:]
+        if ours:
+            self.allocator.events = None
+        return events, workspaces
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        a = self.allocator
+        self._grads.append((len(a.events) - self._recording[0], a.handle(p.grad), p.grad))
+
+    def _later(self, first: list, workspaces: dict) -> list | None:
+        """A later micro-batch's events from the first's, or None where they cannot be derived."""
+        a = self.allocator
+        made = {e[1] for e in first if e[0] == "m"}
+        if not all(e[1] in made for e in first if e[0] == "f"):
+            return None  # it frees a block from before it
+        taken = {h for h in a._workspaces.values() if h not in workspaces.values()}
+        kept = made - {e[1] for e in first if e[0] == "f"} - taken
+        at: dict[int, tuple] = {}  # the detach before an accumulation -> its add_ and the free
+        for n, h, grad in self._grads:
+            if h not in kept or n == 0 or first[n - 1][0] != "o":
+                return None  # a gradient copied into .grad, or added into one (not the first's)
+            kept.discard(h)
+            add = a.kernel_event(torch.ops.aten.add_.Tensor, (grad, grad), backward=True)
+            at[n - 1] = (add, ("f", h))
+        if kept:
+            return None  # a block kept for later (a cache): the micro-batches after it do not make it
+        later = []
+        for n, e in enumerate(first):
+            if n in at:
+                later += at[n]
+            elif not (e[0] == "m" and e[1] in taken):
+                later.append(e)
+        return later
 
 
 def _step_view(report: Report, step: int) -> Report:
@@ -771,7 +833,7 @@ def _peak_reserved(make_workload: Callable[[], Workload], plan: PlanFactory, gpu
         allocator.adopt(_state_tensors(w.model, w.optimizer))
         for s in strategies:
             s.apply_simulated(w)
-        w.repeats = _Repeats(allocator)
+        w.repeats = _Repeats(allocator, w.model)
         counters = _plan_counters(w, allocator, 2, optimizer_steps)
     return _peak_reserved(make_workload, plan, gpu) if counters is None else counters[1]
 

@@ -363,6 +363,18 @@ class SimulatedAllocator(TorchDispatchMode):
             self.events.append(("m", handle, nbytes))
         return handle
 
+    def handle(self, t: torch.Tensor) -> int | None:
+        """The allocator model's handle of the block holding ``t``, if the simulation made it."""
+        return self._handles.get(weakref.ref(t.untyped_storage()))
+
+    def kernel_event(self, func, args: tuple, backward: bool) -> tuple:
+        """The ``("k", ...)`` event an in-place ``func(*args)`` (no output of its own) run by the
+        host's Python code, or by autograd's engine with ``backward``, would record here, as
+        :meth:`__torch_dispatch__` prices it, without running it."""
+        flops, nbytes, dtype, conv, _, kind = _cost(func, args, {}, args[0])
+        seconds = self.time_model.seconds(self.gpu, flops, nbytes, dtype, False, kind)
+        return ("k", seconds, [], self.time_model.host_seconds(conv, backward))
+
     def _allocate(self, storage: torch.UntypedStorage) -> int | None:
         key = weakref.ref(storage)
         if key in self._handles:

@@ -518,9 +518,9 @@ def test_other_optimizers_replay_as_they_run(monkeypatch, make_optimizer):
 
 @pytest.mark.parametrize("keeps", [False, True], ids=["replayed", "periods"])
 def test_repeated_micro_batches_run_once_and_change_nothing(keeps):
-    """With 8 micro-batches, the simulation runs two and replays the second's
-    events for the other six, with the bytes, seconds and busy seconds of
-    running all 8, to the bit. Where the second keeps a block past itself (a
+    """With 8 micro-batches, the simulation runs the first and replays the
+    events a later one has (derived from the first's) for the other seven,
+    with the bytes, seconds and busy seconds of running all 8, to the bit. Where the second keeps a block past itself (a
     loss function that holds on to the last micro-batch's output), it runs
     them until the allocator's layout repeats and skips whole periods."""
     from memprof.advisor import _Repeats
@@ -547,7 +547,7 @@ def test_repeated_micro_batches_run_once_and_change_nothing(keeps):
 
             w.loss_fn = counted
             Accumulation(8).apply(w)
-            w.repeats = _Repeats(allocator) if skip else (lambda i, n: 0)  # a simulation that runs every one
+            w.repeats = _Repeats(allocator, w.model) if skip else (lambda i, n: 0)  # a simulation that runs every one
             for _ in range(2):
                 allocator.reset_peak()
                 start = allocator.mark()
@@ -558,9 +558,9 @@ def test_repeated_micro_batches_run_once_and_change_nothing(keeps):
     assert (a, r) == (full_a, full_r) and full_n == 16  # two steps of 8 micro-batches
     assert 0 < b < s
     if not keeps:
-        assert (s, b) == (full_s, full_b) and n == 4
+        assert (s, b) == (full_s, full_b) and n == 2
     else:  # skipped periods are charged as whole periods of both clocks
-        assert s == pytest.approx(full_s, rel=0.01) and b == pytest.approx(full_b, rel=0.01) and 4 < n < 12
+        assert s == pytest.approx(full_s, rel=0.01) and b == pytest.approx(full_b, rel=0.01) and 2 < n < 12
 
 
 def test_small_steps_are_host_bound_and_large_ones_device_bound():
@@ -584,6 +584,37 @@ def test_small_steps_are_host_bound_and_large_ones_device_bound():
     console.print(a)
     text = console.export_text()
     assert f"{1e3 * a.table.loc['baseline', 'seconds']:.1f} ms*" in text and "* host-bound" in text
+
+
+def test_micro_batches_derived_from_the_first_equal_running_them(monkeypatch):
+    """Every default plan (and the step as it is, tracked), with its later
+    micro-batches replayed from the first's events as a later one's, gives
+    the bytes, seconds and busy seconds of running every micro-batch, to the
+    bit; and runs one micro-batch where accumulation has more."""
+    from memprof.advisor import _Repeats, simulate_plans
+
+    gpu = get_gpu("h200")
+    plans = lambda: {name: factory() for name, factory in default_plans(2, gpu=gpu).items()}  # noqa: E731
+    counted = {}
+
+    def workload():
+        w = block_workload()
+        loss_fn = w.loss_fn
+        w.loss_fn = lambda m, x: counted.__setitem__("calls", counted.get("calls", 0) + 1) or loss_fn(m, x)
+        return w
+
+    base, derived = simulate_plans(workload, {"accum8": plans()["accum8"]}, gpu, jobs=1)
+    # The step as it is: 3 steps of one micro-batch; accum8: one of its first step's 8, its second step replayed.
+    assert counted["calls"] == 3 + 1
+    base, derived = simulate_plans(block_workload, plans(), gpu, jobs=1)
+    monkeypatch.setattr(_Repeats, "__call__", lambda self, i, n: 0)  # every micro-batch runs
+    full_base, full = simulate_plans(block_workload, plans(), gpu, jobs=1)
+    for name, p in full.items():
+        got = derived[name]
+        assert (got.peak_allocated, got.peak_reserved, got.seconds, got.device_seconds) == (
+            p.peak_allocated, p.peak_reserved, p.seconds, p.device_seconds), name
+    columns = ["peak_allocated", "peak_reserved", "seconds"]
+    assert base.steps[columns].equals(full_base.steps[columns])
 
 
 def test_a_plan_is_undone_after_its_step():
