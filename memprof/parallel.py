@@ -12,7 +12,7 @@ way.
 Forking is used only where it is safe and worth it: on Linux (macOS's
 system frameworks do not survive ``fork``), where autograd's per-device
 threads have not started in this process (they do not survive it either:
-:func:`can_fork`), and for two plans or more.
+:func:`can_fork`), and where there is more than one job.
 """
 
 from __future__ import annotations
