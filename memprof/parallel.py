@@ -32,12 +32,24 @@ __all__ = ["can_fork", "default_jobs", "run_forked"]
 log = logging.getLogger(__name__)
 
 
+#: cgroup v2's CPU limit of this process's container ("max 100000", or "200000 100000": two CPUs).
+CPU_MAX = "/sys/fs/cgroup/cpu.max"
+
+
 def default_jobs() -> int:
-    """The CPUs this process may run on (its affinity, not the machine's count), at most 8."""
+    """The CPUs this process may use, at most 8: its affinity (not the machine's
+    count), or fewer where its container's CPU quota says so (a Kubernetes pod's
+    limit leaves the affinity at every CPU of the node)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
+    try:
+        quota, period = open(CPU_MAX).read().split()
+        if quota != "max":
+            cpus = min(cpus, -(-int(quota) // int(period)))
+    except (OSError, ValueError):  # no cgroup v2 limit here
+        pass
     return max(1, min(cpus, 8))
 
 

@@ -445,6 +445,21 @@ def test_plans_that_fail_in_a_forked_process():
         "its process ended without an answer (exit code 3")
 
 
+@pytest.mark.parametrize("cpu_max, expected", [("max 100000\n", 2), ("150000 100000\n", 2), ("100000 100000", 1),
+                                               ("50000 100000", 1), (None, 2)])
+def test_default_jobs_follow_the_containers_cpu_quota(monkeypatch, tmp_path, cpu_max, expected):
+    import os
+
+    from memprof import parallel
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # two CPUs to run on
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    monkeypatch.setattr(parallel, "CPU_MAX", str(path))
+    assert parallel.default_jobs() == expected
+
+
 def test_jobs_must_be_a_positive_integer():
     from memprof.advisor import simulate_plans
 
