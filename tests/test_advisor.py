@@ -352,7 +352,6 @@ def _needs_fork() -> None:
 def test_a_simulation_leaves_cuda_uninitialised():
     """On a machine with a GPU, simulating touches no real device, so the plans can still fork."""
     import subprocess
-    import sys
 
     code = ("import torch; from test_advisor import block_workload; from memprof.advisor import simulate_plan;"
             "from memprof.devices import get_gpu; simulate_plan(block_workload, list, get_gpu('h200'));"
@@ -535,9 +534,11 @@ def test_other_optimizers_replay_as_they_run(monkeypatch, make_optimizer):
 def test_repeated_micro_batches_run_once_and_change_nothing(keeps):
     """With 8 micro-batches, the simulation runs the first and replays the
     events a later one has (derived from the first's) for the other seven,
-    with the bytes, seconds and busy seconds of running all 8, to the bit. Where the second keeps a block past itself (a
-    loss function that holds on to the last micro-batch's output), it runs
-    them until the allocator's layout repeats and skips whole periods."""
+    with the bytes, seconds and busy seconds of running all 8, to the bit.
+    Where each micro-batch frees a block of the one before (a loss function
+    that holds on to the last micro-batch's output), neither the first's nor
+    the second's events are a later one's: it runs them until the
+    allocator's layout repeats and skips whole periods."""
     from memprof.advisor import _Repeats
     from memprof.simulate import SimulatedAllocator, _state_tensors
     from memprof.strategies import Accumulation
