@@ -29,7 +29,7 @@ from .categories import Category
 from .devices import GPU, get_gpu
 from .parallel import can_fork, default_jobs, run_forked
 from .report import Report
-from .simulate import usable_bytes
+from .simulate import kept_blocks, usable_bytes
 from .units import fmt_bytes
 from .workload import Workload, split_batch
 
@@ -413,8 +413,7 @@ class _OptimizerSteps:
             start, workspaces = len(a.events), dict(a._workspaces)
             out = run(*args, **kwargs)
             events = a.events[start:]
-            made = {e[1] for e in events if e[0] == "m"}
-            if key is not None and a._workspaces == workspaces and all(e[1] in made for e in events if e[0] == "f"):
+            if key is not None and a._workspaces == workspaces and kept_blocks(events) is not None:
                 self._steps[key] = events
             return out
 
@@ -504,8 +503,7 @@ class _Repeats:
                 self._record()
         elif i == 2 and self._recording is not None:
             second, workspaces = self._recorded()
-            made = {e[1] for e in second if e[0] == "m"}
-            if {e[1] for e in second if e[0] == "f"} == made and a._workspaces == workspaces:
+            if kept_blocks(second) == set() and a._workspaces == workspaces:
                 for _ in range(n - 2):
                     a.replay(second)
                 return n - 2
@@ -544,11 +542,11 @@ class _Repeats:
     def _later(self, first: list, workspaces: dict) -> list | None:
         """A later micro-batch's events from the first's, or None where they cannot be derived."""
         a = self.allocator
-        made = {e[1] for e in first if e[0] == "m"}
-        if not all(e[1] in made for e in first if e[0] == "f"):
+        kept = kept_blocks(first)
+        if kept is None:
             return None  # it frees a block from before it
         taken = {h for h in a._workspaces.values() if h not in workspaces.values()}
-        kept = made - {e[1] for e in first if e[0] == "f"} - taken
+        kept -= taken
         at: dict[int, tuple] = {}  # the detach before an accumulation -> its add_ and the free
         for n, h, grad in self._grads:
             if h not in kept or n == 0 or first[n - 1][0] != "o":

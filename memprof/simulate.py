@@ -39,7 +39,7 @@ from .report import Report
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
 
-__all__ = ["SimulatedAllocator", "StepCounters", "TimeModel", "simulate", "replay_step", "usable_bytes"]
+__all__ = ["SimulatedAllocator", "StepCounters", "TimeModel", "kept_blocks", "simulate", "replay_step", "usable_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -469,8 +469,9 @@ def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> StepCounte
     run's counters, or None where the events are not a step that repeats: one
     that frees a block made before it.
     """
-    made = {e[1] for e in events if e[0] == "m"}
-    kept = made - {e[1] for e in events if e[0] == "f"}
+    kept = kept_blocks(events)
+    if kept is None:
+        return None  # a block from before the step: the second run frees another one
     model.reset_peak()
     handles: dict[int, int] = {}
     host = device = busy = 0.0
@@ -480,13 +481,17 @@ def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> StepCounte
             if e[1] not in kept:
                 handles[e[1]] = model.malloc(e[2])
         elif kind == "f":
-            if e[1] not in handles:
-                return None  # a block from before the step: the second run frees another one
             model.free(handles.pop(e[1]))
         elif not (kind == "k" and e[2] and all(h in kept for h in e[2])):
             host, device = _tick(host, device, e)
             busy += _busy(e)
     return StepCounters(model.peak_allocated, model.peak_reserved, max(host, device), busy)
+
+
+def kept_blocks(events: list[tuple]) -> set[int] | None:
+    """The blocks ``events`` make and do not free, or None where they free a block made before them."""
+    made, freed = {e[1] for e in events if e[0] == "m"}, {e[1] for e in events if e[0] == "f"}
+    return made - freed if freed <= made else None
 
 
 def _busy(e: tuple) -> float:

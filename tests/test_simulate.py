@@ -391,3 +391,16 @@ def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
     # The misaligned product is the slower of the two 16-bit ones by more than its extra arithmetic.
     aligned, misaligned = (tm.seconds(gpu, row[0], row[1], bf16, kind=row[7]) for row in kernels[:2])
     assert misaligned / aligned > 50257 / 4096 * 2
+
+
+def test_a_step_that_frees_an_earlier_block_is_not_replayed_and_leaves_the_model_as_it_was():
+    from memprof.caching import CachingAllocatorModel
+    from memprof.simulate import kept_blocks, replay_step
+
+    model = CachingAllocatorModel()
+    earlier = model.malloc(1 << 20)  # a 1 MiB block from before the step
+    events = [("m", 7, 512 << 10), ("k", 1e-5, [7], 1e-5), ("f", earlier), ("m", 8, 2 << 20)]
+    assert kept_blocks(events) is None and kept_blocks(events[:2] + events[3:]) == {7, 8}
+    before = (model.allocated, model.reserved, model.num_live)
+    assert replay_step(model, events) is None
+    assert (model.allocated, model.reserved, model.num_live) == before == (1 << 20, 2 << 20, 1)
