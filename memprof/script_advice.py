@@ -236,7 +236,12 @@ class _Watch:
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         self.facts, self.forwards, self.steps = ScriptFacts.of(model, opt), 0, 0
+        self.ran: dict[str, None] = {}  # modules whose forward ran (outside backward)
         self.recomputed: dict[str, None] = {}
+        self._names = [name for name, _ in model.named_modules() if name]
+        self._children: dict[str, list[str]] = {}
+        for name in self._names:
+            self._children.setdefault(name.rpartition(".")[0], []).append(name)
         self._handles = [model.register_forward_pre_hook(self._on_model, with_kwargs=True)]
         self._handles += [m.register_forward_pre_hook(functools.partial(self._on_module, name))
                           for name, m in model.named_modules() if name]
@@ -246,8 +251,7 @@ class _Watch:
             return  # re-run in backward (the whole model checkpointed)
         self.forwards += 1
         if self.forwards == 1:
-            if torch.is_autocast_enabled("cuda"):
-                self.facts.autocast = _dtype(torch.get_autocast_dtype("cuda"))
+            self._autocast()
             try:  # the forward's own parameter names, where it has them
                 tensors = dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
             except (TypeError, ValueError):
@@ -255,9 +259,19 @@ class _Watch:
             self.facts.batch = tensor_shapes(tensors)
 
     def _on_module(self, name: str, module, args) -> None:
-        # A module run while autograd computes gradients is recomputed: activation checkpointing.
-        if torch._C._current_graph_task_id() != -1 and not any(name.startswith(r + ".") for r in self.recomputed):
+        if torch._C._current_graph_task_id() == -1:
+            self.ran[name] = None
+            if self.forwards == 1:
+                # A wrapper may enter autocast inside the model's forward, after its hooks
+                # (Accelerate, hence Hugging Face's Trainer, wraps ``model.forward``).
+                self._autocast()
+        elif not any(name.startswith(r + ".") for r in self.recomputed):
+            # A module run while autograd computes gradients is recomputed: activation checkpointing.
             self.recomputed[name] = None
+
+    def _autocast(self) -> None:
+        if self.facts.autocast is None and torch.is_autocast_enabled("cuda"):
+            self.facts.autocast = _dtype(torch.get_autocast_dtype("cuda"))
 
     def step(self) -> None:
         self.steps += 1
@@ -266,8 +280,22 @@ class _Watch:
         for h in self._handles:
             h.remove()
         self.facts.micro_batches = max(self.forwards // max(self.steps, 1), 1)
-        self.facts.checkpointed = list(self.recomputed)
+        self.facts.checkpointed = self._checkpointed()
         return self.facts
+
+    def _checkpointed(self) -> list[str]:
+        """The recomputed modules, a module named for its children where every child that
+        ran was recomputed but not the module's own call: a checkpointed ``forward``
+        (Hugging Face's ``GradientCheckpointingLayer`` checkpoints ``forward``, not
+        ``__call__``, so the layer's own hooks stay outside the recomputation)."""
+        done = dict(self.recomputed)
+        for name in sorted(self.ran, key=lambda n: -n.count(".")):  # the deepest first
+            ran = [c for c in self._children.get(name, ()) if c in self.ran]
+            if name not in done and ran and all(c in done for c in ran):
+                for c in ran:
+                    del done[c]
+                done[name] = None
+        return [n for n in self._names if n in done]
 
 
 def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, who: str) -> dict[str, str]:

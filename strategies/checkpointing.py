@@ -29,17 +29,24 @@ def _shape(module: nn.Module):
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks: children of ModuleLists/Sequentials whose
     children are all the same block (transformer layers, ResNet bottlenecks,
-    ``nn.Sequential(conv, norm, act)`` stacks) and hold parameters, of the
-    block with the most such instances."""
+    ``nn.Sequential(conv, norm, act)`` stacks) and hold parameters, or, in a
+    container of mixed children (``nn.Sequential(stem, *blocks, head)``),
+    the children of one composite block class that occurs at least twice; of
+    the block with the most such instances."""
     candidates: list[tuple[str, nn.Module, Any]] = []
     for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
-            shapes = {_shape(c) for c in module}
-            # A ModuleList has no forward of its own to checkpoint.
-            if len(shapes) == 1 and not isinstance(module[0], nn.ModuleList) and any(True for _ in module[0].parameters()):
-                prefix = f"{name}." if name else ""
-                shape = shapes.pop()
-                candidates += [(f"{prefix}{i}", c, shape) for i, c in module.named_children()]
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        prefix = f"{name}." if name else ""
+        shapes = Counter(_shape(c) for c in module)
+        # A ModuleList has no forward of its own to checkpoint.
+        if len(shapes) == 1 and not isinstance(module[0], nn.ModuleList) and any(True for _ in module[0].parameters()):
+            candidates += [(f"{prefix}{i}", c, _shape(c)) for i, c in module.named_children()]
+        elif len(shapes) > 1:
+            # Only blocks made of modules: a checkpointed single layer saves its input anyway.
+            candidates += [(f"{prefix}{i}", c, _shape(c)) for i, c in module.named_children()
+                           if shapes[_shape(c)] >= 2 and not isinstance(c, nn.ModuleList)
+                           and any(True for _ in c.children()) and any(True for _ in c.parameters())]
     if not candidates:
         return []
     top, _ = Counter(shape for _, _, shape in candidates).most_common(1)[0]

@@ -223,6 +223,52 @@ def test_the_script_watch_sees_checkpointing_accumulation_and_the_optimizer():
     assert facts.batch == {"tokens": ([4, 8], "fp32")}
 
 
+WRAPPED = """\
+import functools
+import torch, torch.nn as nn
+from types import MethodType
+from torch.utils.checkpoint import checkpoint
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x)).relu()
+
+model = nn.Sequential(nn.Linear(16, 64), *[Block() for _ in range(2)], nn.Linear(64, 4)).cuda()
+# Hugging Face's way (GradientCheckpointingLayer): each block's forward checkpointed, its hooks outside.
+for block in model[1:3]:
+    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+# Accelerate's way (Trainer(bf16=True)): autocast entered inside the model's forward, after its hooks.
+model.forward = MethodType(torch.autocast("cuda", dtype=torch.bfloat16)(type(model).forward), model)
+opt = torch.optim.AdamW(model.parameters())
+for _ in range(4):
+    x = torch.randn(32, 16, device="cuda")
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_the_watch_sees_a_wrapped_forward(tmp_path):
+    """Autocast and checkpointing applied by wrapping ``forward`` (Accelerate, Hugging
+    Face's layers) are what the script does: those plans are left out."""
+    script = tmp_path / "wrapped.py"
+    script.write_text(WRAPPED)
+    out = tmp_path / "advice.json"
+    r = memprof("advise", script, "--budget", "24GiB", "--json", out)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["script_does"]["autocast"] == "bf16" and data["script_does"]["checkpointed"] == ["1", "2"]
+    assert "  checkpointed: 1, 2" in r.stdout
+    names = {p["plan"] for p in data["plans"]}
+    assert not any("bf16" in n or "ckpt" in n for n in names) and {"baseline", "accum2", "offload_act"} <= names
+    assert data["skipped"]["bf16+ckpt"] == "the script already runs its forward under bf16 autocast"
+    assert data["skipped"]["ckpt+accum2"] == "the script already checkpoints the repeated blocks"
+
+
 def test_verified_plans_show_their_step_time_error():
     """What `--verify` prints per plan: predicted next to measured, and the step time's error."""
     import pandas as pd

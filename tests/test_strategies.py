@@ -164,6 +164,22 @@ def test_find_blocks_sequential_blocks():
     assert [n for n, _ in find_blocks(nested)] == [f"{i}.{j}" for i in range(3) for j in range(2)]
 
 
+def test_find_blocks_between_a_stem_and_a_head():
+    # nn.Sequential(stem, *blocks, head): the blocks are the children of one composite
+    # class that repeats; single layers that repeat (two Linears) are no blocks.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.fc(self.norm(x))
+
+    model = nn.Sequential(nn.Linear(4, 8), Block(), nn.ReLU(), Block(), Block(), nn.Linear(8, 8))
+    assert [n for n, _ in find_blocks(model)] == ["1", "3", "4"]
+    assert find_blocks(nn.Sequential(nn.Linear(4, 8), Block(), nn.Linear(8, 8))) == []  # one block: nothing repeats
+
+
 def test_find_blocks_none_in_plain_mlp():
     # Linear, ReLU, Linear: not one class, and ReLU-only lists have no parameters.
     assert find_blocks(mlp()) == []
