@@ -227,6 +227,28 @@ def tensor_shapes(named: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
     return {str(k): (list(t.shape), _dtype(t.dtype)) for k, t in named.items() if isinstance(t, torch.Tensor)}
 
 
+def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A forward's arguments by the names its signature gives them; a wrapper's
+    (DDP, DataParallel: ``module.module``) by the wrapped module's, which it is given as they are."""
+    inner = getattr(module, "module", None)
+    forward = inner.forward if isinstance(inner, nn.Module) else module.forward
+    try:
+        signature = inspect.signature(forward)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return {f"argument {i}": a for i, a in enumerate(args)} | dict(kwargs)
+    out: dict[str, Any] = {}
+    for name, value in bound.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            out.update({f"{name}[{i}]": a for i, a in enumerate(value)})
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
+
+
 def _short_list(names: list[str], n: int = 3) -> list[str]:
     return names[:n] + ([f"... ({len(names)} in all)"] if len(names) > n else [])
 
@@ -252,11 +274,7 @@ class _Watch:
         self.forwards += 1
         if self.forwards == 1:
             self._autocast()
-            try:  # the forward's own parameter names, where it has them
-                tensors = dict(inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments)
-            except (TypeError, ValueError):
-                tensors = {f"argument {i}": a for i, a in enumerate(args)} | dict(kwargs)
-            self.facts.batch = tensor_shapes(tensors)
+            self.facts.batch = tensor_shapes(_arguments(module, args, kwargs))
 
     def _on_module(self, name: str, module, args) -> None:
         if torch._C._current_graph_task_id() == -1:

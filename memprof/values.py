@@ -83,6 +83,12 @@ class Values(TorchDispatchMode):
         on_meta = metas or any(a == _META for a in flat if isinstance(a, torch.device))
         if not on_meta:
             return func(*args, **kwargs)  # the host's own work: real tensors, real values
+        if func is torch.ops.aten.copy_.default and not args[0].is_meta:
+            # A copy to the host made below Python (DDP's reducer reads back bucket indices it
+            # broadcast): the source's values where known, else the host tensor is left as it is
+            # (as VirtualCUDA does for Python's copies).
+            known = self.shadow(args[1])
+            return args[0] if known is None else args[0].copy_(known)
         known = all(self._has(t) for t in metas)
         if torch.Tag.dynamic_output_shape in func.tags:
             if not known:

@@ -39,6 +39,7 @@ installs.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from contextlib import ExitStack
 from types import FunctionType
@@ -340,7 +341,7 @@ class VirtualCUDA:
             original = _foreach_utils._device_has_foreach_support
             for module, attr in _imported(original):
                 stack.enter_context(_replace(module, attr, _foreach_support_for_meta(original)))
-            stack.enter_context(_replace(torch.nn.Module, "_apply", _keeping_ties(torch.nn.Module._apply)))
+            stack.enter_context(_replace(torch.nn.Module, "_apply", _keeping_parameters(torch.nn.Module._apply)))
             # torch.set_default_device("cuda") makes factories allocate there from C++,
             # below any mode: the simulated GPU's default is meta, reported as cuda.
             set_default, get_default = torch.set_default_device, torch.get_default_device
@@ -360,6 +361,15 @@ class VirtualCUDA:
             stack.enter_context(_replace(torch, "compile", self._compile))
             stack.enter_context(_replace(torch.nn.Module, "compile", _module_compile(self)))
             stack.enter_context(_replace(torch, "save", self._save))
+            if torch.distributed.is_available():
+                stack.enter_context(_replace(torch.distributed, "init_process_group",
+                                             self._init_process_group(torch.distributed.init_process_group)))
+                # DDP and FSDP compare the parameters' shapes across ranks, reading the
+                # gathered sizes back from the device: one simulated rank has none to compare.
+                stack.enter_context(_replace(torch.distributed, "_verify_params_across_processes",
+                                             lambda *args, **kwargs: None))
+                for attr, fn in self._ddp().items():
+                    stack.enter_context(_replace(torch.nn.parallel.DistributedDataParallel, attr, fn))
             if self.allocator is not None:
                 stack.enter_context(self.allocator)
             stack.enter_context(self.values)
@@ -386,6 +396,42 @@ class VirtualCUDA:
             stack.close()
 
     # -- what the script asks of PyTorch that runs differently here -----------
+    def _init_process_group(self, original: Callable) -> Callable:
+        def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None,
+                               world_size: int = -1, rank: int = -1, store: Any = None, **kwargs: Any) -> None:
+            from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+            world_size = world_size if world_size != -1 else int(os.environ.get("WORLD_SIZE", "1"))
+            rank = rank if rank != -1 else int(os.environ.get("RANK", "0"))
+            self.notes["torch.distributed"] = (
+                f"torch.distributed ran one rank of {world_size} on PyTorch's fake process group "
+                "(no communication is simulated: NCCL's own buffers and the collectives' time are left out)")
+            kwargs.pop("device_id", None)
+            return original("fake", store=FakeStore(), world_size=world_size, rank=rank,
+                            **({"timeout": timeout} if timeout is not None else {}), **kwargs)
+
+        return init_process_group
+
+    def _ddp(self) -> dict[str, Callable]:
+        """DDP on the fake process group: its buckets are made and filled as on a GPU, and
+        PyTorch's ``noop_hook`` stands for the all-reduce (the fake group's work carries
+        no result for DDP's default hook to read); hooks the script registers are left out."""
+        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        init, register = DDP.__init__, DDP.register_comm_hook
+
+        def __init__(ddp: DDP, *args: Any, **kwargs: Any) -> None:
+            init(ddp, *args, **kwargs)
+            register(ddp, None, noop_hook)
+
+        def register_comm_hook(ddp: DDP, state: Any, hook: Callable) -> None:
+            self.notes["DDP communication hook"] = (
+                f"DDP's communication hook {getattr(hook, '__name__', hook)!s} is not simulated (no communication is)")
+
+        return {"__init__": __init__, "register_comm_hook": register_comm_hook,
+                "_register_builtin_comm_hook": register_comm_hook}
+
     def _compile(self, model: Any = None, **kwargs: Any) -> Any:
         """``torch.compile``: eager, with a note in the report (compiled code's memory is not simulated)."""
         self._note_compile()
@@ -433,15 +479,21 @@ def _imported(function: Callable) -> list[tuple[Any, str]]:
     return found
 
 
-def _keeping_ties(original: Callable) -> Callable:
-    """``nn.Module._apply`` that keeps tied parameters tied when ``.to("cuda")`` makes meta tensors.
+def _keeping_parameters(original: Callable) -> Callable:
+    """``nn.Module._apply`` that keeps each Parameter the same object when ``.to("cuda")`` makes meta tensors.
 
-    On a GPU, ``model.to("cuda")`` swaps each parameter's ``.data`` in place, so a
-    weight shared by two modules (GPT-2's embedding and output layer) stays one
-    Parameter. A host tensor's ``.data`` cannot become a meta tensor, so
-    ``_apply`` makes a new Parameter per module instead, which would double the
-    weight, its gradient and its optimizer state; the first new Parameter is
-    given to every module that shared the old one.
+    On a GPU, ``model.to("cuda")`` swaps each parameter's ``.data`` in place:
+    an optimizer made before the move (Accelerate's ``prepare`` moves the
+    model after the optimizer is made) holds the moved parameters, and a
+    weight shared by two modules (GPT-2's embedding and output layer) stays
+    one Parameter. A host tensor's ``.data`` cannot become a meta tensor, so
+    ``_apply`` would make a new Parameter per module instead: the optimizer
+    would hold host tensors no module uses, and a shared weight, its gradient
+    and its optimizer state would double. PyTorch's own alternative keeps the
+    objects: ``torch.utils.swap_tensors`` (``torch.__future__``'s
+    ``set_swap_module_params_on_conversion``). Where a parameter cannot be
+    swapped (something else holds it, a weak reference to it), the first new
+    Parameter is given to every module that shared the old one.
     """
     depth = [0]
 
@@ -449,10 +501,17 @@ def _keeping_ties(original: Callable) -> Callable:
         if depth[0]:
             return original(self, fn, recurse)
         before = [(m, name, p) for m in self.modules() for name, p in m._parameters.items() if p is not None]
+        swap = torch.__future__.get_swap_module_params_on_conversion()
         depth[0] += 1
         try:
-            out = original(self, fn, recurse)
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                out = original(self, fn, recurse)
+            except RuntimeError:  # a parameter that cannot be swapped; those swapped are meta now, and stay
+                torch.__future__.set_swap_module_params_on_conversion(swap)
+                out = original(self, fn, recurse)
         finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
             depth[0] -= 1
         first = WeakIdKeyDictionary()
         for module, name, old in before:

@@ -35,6 +35,11 @@ SMALL = {
                      "--vocab-size", "1000", "--seq-len", "32", "--batch-size", "2"],
     "cuda_api_probe.py": ["--batch-size", "4", "--seq-len", "64", "--d-model", "128", "--n-layers", "2",
                           "--n-heads", "4", "--dim-feedforward", "256"],
+    "accelerate_clm.py": ["--hidden-size", "64", "--intermediate-size", "176", "--num-layers", "2", "--num-heads", "4",
+                          "--num-kv-heads", "2", "--vocab-size", "1000", "--block-size", "32",
+                          "--per-device-train-batch-size", "4"],
+    "ddp_classifier.py": ["--batch-size", "8", "--image-size", "32", "--width", "8", "--num-classes", "10",
+                          "--samples", "256"],
 }
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
@@ -91,12 +96,32 @@ def test_compile_runs_eagerly_and_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["nanogpt-fp16-scaler", "gqa-fp32", "hf-trainer", "lightning", "vision-reference",
-                                  "peft-lora", "cuda-api-bf16"])
+                                  "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
     assert advice["target"] == "H200-141GB" and advice["best"] is not None
     assert len(advice["plans"]) > 1
+    does = advice["script_does"]
+    assert {k: does[k] for k in WHAT_IT_DOES.get(name, {})} == WHAT_IT_DOES.get(name, {})
+    plans = {p["plan"] for p in advice["plans"]}
+    if does["autocast"]:  # what the script does already is not offered again
+        assert not any(p.startswith(("bf16", "fp16")) for p in plans) and "bf16" in advice["skipped"]
+    if does["checkpointed"]:
+        assert "ckpt" not in plans and advice["skipped"]["ckpt"] == "the script already checkpoints the repeated blocks"
+    if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
+        assert "accum2" in plans and "torch.distributed" in advice["baseline"]["meta"]["simulation_notes"]
+
+
+#: What each script does already, as ``memprof advise`` reports it (``script_does``), at the SMALL sizes.
+WHAT_IT_DOES = {
+    # the Trainer's bf16 is Accelerate's autocast inside the model's forward; Hugging Face's
+    # layers checkpoint their forward, not their call
+    "hf-trainer": {"autocast": "bf16", "checkpointed": ["transformer.h.0", "transformer.h.1"], "micro_batches": 1},
+    "accelerate-clm": {"autocast": "bf16", "micro_batches": 2, "optimizer": "AdamW"},
+    # DDP's forward(*inputs) named by the wrapped ResNet's forward(x)
+    "ddp-classifier": {"autocast": "bf16", "micro_batches": 1, "batch": {"x": [[8, 3, 32, 32], "fp32"]}},
+}
 
 
 CPU_ONLY = """\
@@ -134,6 +159,43 @@ def test_what_cannot_be_simulated_is_one_line(tmp_path, command, source, says):
     assert lines[-1].startswith(says) and "Traceback" not in done.stderr
     if source is VALUE_SHAPED:
         assert lines[-1].endswith("(at train.py line 6); memprof could not observe a training step")
+
+
+OPTIMIZER_FIRST = """\
+import torch, torch.nn as nn
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.body = nn.Embedding(1000, 64), nn.Linear(64, 64)
+        self.head = nn.Linear(64, 1000, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, x):
+        return self.head(self.body(self.emb(x)))
+
+model = LM()
+opt = torch.optim.AdamW(model.parameters())  # made before the move, as Accelerate's prepare() moves the model
+model.to("cuda")
+assert opt.param_groups[0]["params"][0] is model.emb.weight is model.head.weight and model.emb.weight.is_cuda
+for _ in range(4):
+    x = torch.randint(0, 1000, (8, 16), device="cuda")
+    nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    opt.step(); opt.zero_grad()
+"""
+
+
+def test_an_optimizer_made_before_the_move_holds_the_moved_parameters(tmp_path):
+    """On a GPU ``model.to("cuda")`` keeps each Parameter object (it swaps ``.data``): the
+    optimizer made before holds the model's parameters, the tied weight once: per Adam
+    state 1000 x 64 x 4 + 64 x 64 x 4 bytes and the bias's 256 in a 512-byte block."""
+    script = tmp_path / "train.py"
+    script.write_text(OPTIMIZER_FIRST)
+    out = tmp_path / "out.json"
+    done = _memprof(tmp_path, "track", str(script), "--target", "h200", "--steps", "2", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = json.loads(out.read_text())["optimizer_state"]
+    assert state["exp_avg"] == state["exp_avg_sq"] == 1000 * 64 * 4 + 64 * 64 * 4 + 512
 
 
 LESS_COMMON = """\
