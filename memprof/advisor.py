@@ -673,7 +673,11 @@ def rerank(table: pd.DataFrame, budget: int, margin: float = 0.05) -> pd.DataFra
     a plan fits when its peak reserved plus ``margin`` of it is within the budget."""
     t = table.drop(columns="fits", errors="ignore")
     t.insert(2, "fits", t["peak_reserved"] * (1 + margin) <= budget)  # after the peaks, as before
-    return pd.concat([t[t["fits"]].sort_values("seconds"), t[~t["fits"]].sort_values("peak_reserved")])
+    # Equal times (to the microsecond: a plan that changes nothing the step runs) rank
+    # the step as it is first: no change beats a change that buys nothing.
+    key = pd.DataFrame({"us": (t["seconds"] * 1e6).round(), "change": t.index != "baseline"}, index=t.index)
+    fits = key[t["fits"]].sort_values(["us", "change"], kind="stable").index
+    return pd.concat([t.loc[fits], t[~t["fits"]].sort_values("peak_reserved", kind="stable")])
 
 
 def _why(name: str, p, base, baseline: Report) -> str:

@@ -68,6 +68,9 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
     if w.micro_batches > 1:
         batch = facts.batch_size if facts is not None else None
         cut = _MicroBatchCut(w.micro_batches, batch, facts.micro_batches if facts is not None else 1)
+        if batch and not cut.sizes:
+            raise ValueError(f"a batch of {batch} samples cannot be cut into {w.micro_batches} micro-batches "
+                             "of equal size")
         stack.enter_context(cut)
         forward = cut.wrap(forward)
     if w.saved_tensors_hooks is not None:
@@ -162,6 +165,7 @@ def _divisible(k: int):
     return cut
 
 
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 
 
@@ -175,6 +179,9 @@ class ScriptFacts:
 
     #: Autocast's dtype around the model's forward ("bf16", "fp16"), or None.
     autocast: str | None = None
+    #: The parameters' dtype while the forward runs, where 16-bit ("bf16", "fp16"): a model
+    #: cast to it, or FSDP's MixedPrecisionPolicy (stored in fp32, gathered in bf16); or None.
+    forward_dtype: str | None = None
     #: Forward passes of the model per optimizer step (gradient accumulation).
     micro_batches: int = 1
     #: Modules whose forward runs again in backward (activation checkpointing).
@@ -211,7 +218,9 @@ class ScriptFacts:
         """One short line per fact, for the header of the advice."""
         params = ", ".join(f"{n / 1e6:.2f} M {d}" for d, n in self.parameters.items()) or "none"
         out = [
-            f"mixed precision: {self.autocast + ' autocast' if self.autocast else 'none (fp32 compute)'}",
+            "mixed precision: " + (f"{self.autocast} autocast" if self.autocast else
+                                   f"{self.forward_dtype} parameters in forward" if self.forward_dtype else
+                                   "none (fp32 compute)"),
             f"micro-batches per optimizer step: {self.micro_batches}",
             f"checkpointed: {', '.join(_short_list(self.checkpointed)) if self.checkpointed else 'nothing'}",
             f"optimizer: {self.optimizer} ({self.implementation})",
@@ -283,6 +292,11 @@ class _Watch:
                 # A wrapper may enter autocast inside the model's forward, after its hooks
                 # (Accelerate, hence Hugging Face's Trainer, wraps ``model.forward``).
                 self._autocast()
+                # FSDP gathers a layer's parameters in its own pre-forward hook, registered before ours.
+                if self.facts.forward_dtype is None:
+                    half = next((p.dtype for p in module._parameters.values()
+                                 if p is not None and p.dtype in _HALF_DTYPES), None)
+                    self.facts.forward_dtype = half and _dtype(half)
         elif not any(name.startswith(r + ".") for r in self.recomputed):
             # A module run while autograd computes gradients is recomputed: activation checkpointing.
             self.recomputed[name] = None
@@ -326,6 +340,8 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
     for name, strategies in plans.items():
         if facts.autocast and any(isinstance(s, Autocast) for s in strategies):
             out[name] = f"the {who} already runs its forward under {facts.autocast} autocast"
+        elif facts.forward_dtype and any(isinstance(s, Autocast) for s in strategies):
+            out[name] = f"the {who}'s forward already computes with {facts.forward_dtype} parameters"
         elif covered and any(isinstance(s, Checkpointing) for s in strategies):
             out[name] = f"the {who} already checkpoints the repeated blocks"
     return out

@@ -328,6 +328,8 @@ class VirtualCUDA:
                     for module in (accelerator, memory):
                         if module is not None and hasattr(module, attr):
                             stack.enter_context(_replace(module, attr, fn))
+            # torch.distributed (FSDP's default mesh, the default backend per device) asks C++.
+            stack.enter_context(_replace(torch._C, "_get_accelerator", lambda check=False: torch.device("cuda")))
             for attr, fn in TENSOR_API.items():
                 stack.enter_context(_replace(torch.Tensor, attr, fn))
             # Checkpointing compares what forward saved (recorded in autograd's hooks,

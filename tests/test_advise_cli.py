@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +30,7 @@ def check_schema(data: dict) -> None:
     assert data["best"] is None or isinstance(data["best"], str)
     assert isinstance(data["code_change"], list) and all(isinstance(c, str) for c in data["code_change"])
     assert data["script_does"] is None or set(data["script_does"]) == {
-        "autocast", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch"}
+        "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch"}
     assert isinstance(data["skipped"], dict) and isinstance(data["failed"], dict)
     assert data["plans"] and data["plans"][0]["plan"] == (data["best"] or data["plans"][0]["plan"])
     for p in data["plans"]:
@@ -267,6 +269,42 @@ def test_the_watch_sees_a_wrapped_forward(tmp_path):
     assert not any("bf16" in n or "ckpt" in n for n in names) and {"baseline", "accum2", "offload_act"} <= names
     assert data["skipped"]["bf16+ckpt"] == "the script already runs its forward under bf16 autocast"
     assert data["skipped"]["ckpt+accum2"] == "the script already checkpoints the repeated blocks"
+
+
+def test_the_watch_sees_parameters_in_16_bits():
+    """A forward whose parameters are bf16 (a cast model; FSDP's MixedPrecisionPolicy
+    gathers them so) computes in bf16 without autocast: no bf16 plan is offered."""
+    from memprof.advisor import default_plans
+    from memprof.script_advice import _Watch, what_is_done
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(net.parameters())
+    watch = _Watch(net, opt)
+    net(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    watch.step()
+    facts = watch.close()
+    assert (facts.autocast, facts.forward_dtype, facts.parameters) == (None, "bf16", {"bf16": 8 * 8 + 8 + 8 + 1})
+    assert facts.lines()[0] == "mixed precision: bf16 parameters in forward"
+    plans = {name: make() for name, make in default_plans().items()}
+    skipped = what_is_done(plans, facts, net, "script")
+    assert set(skipped) == {name for name in plans if "bf16" in name}
+    assert skipped["bf16+accum2"] == "the script's forward already computes with bf16 parameters"
+
+
+def test_micro_batches_must_divide_the_batch():
+    from contextlib import ExitStack
+
+    from memprof.script_advice import ScriptFacts, apply_to_script
+    from memprof.strategies import Accumulation
+
+    net = nn.Linear(8, 1)
+    facts = ScriptFacts(batch={"x": ([4, 8], "fp32")})
+    with ExitStack() as stack:
+        with pytest.raises(ValueError, match="a batch of 4 samples cannot be cut into 8 micro-batches of equal size"):
+            apply_to_script([Accumulation(8)], net, torch.optim.SGD(net.parameters(), lr=0.1), True, stack, facts)
+        w = apply_to_script([Accumulation(2)], net, torch.optim.SGD(net.parameters(), lr=0.1), True, stack, facts)
+        assert w.micro_batches == 2
 
 
 def test_verified_plans_show_their_step_time_error():

@@ -165,6 +165,22 @@ def test_advise_margin_is_applied(predictions):
     assert b.best == "bf16+ckpt" and b.table.index.tolist() == ["bf16+ckpt", "baseline"]
 
 
+def test_a_plan_as_fast_as_the_step_as_it_is_ranks_after_it():
+    """A plan that changes nothing the step runs (bf16 autocast on a model that computes in
+    bf16 already) predicts the baseline's time: the baseline is recommended, and ties
+    keep their order."""
+    import pandas as pd
+
+    from memprof.advisor import best_of, rerank
+
+    table = pd.DataFrame({"peak_allocated": [4, 3, 3, 2], "peak_reserved": [8 * MiB, 6 * MiB, 6 * MiB, 4 * MiB],
+                          "seconds": [0.05 + 1e-12, 0.05, 0.05, 0.09]},
+                         index=pd.Index(["bf16", "baseline", "ckpt", "accum2"], name="plan"))
+    ranked = rerank(table, budget=10 * MiB)
+    assert list(ranked.index) == ["baseline", "bf16", "ckpt", "accum2"] and best_of(ranked) == "baseline"
+    assert list(rerank(table, budget=7 * MiB).index) == ["baseline", "ckpt", "accum2", "bf16"]
+
+
 def test_advise_renders_with_rich(advice):
     console = Console(record=True, width=80)
     console.print(advice)

@@ -40,6 +40,8 @@ SMALL = {
                           "--per-device-train-batch-size", "4"],
     "ddp_classifier.py": ["--batch-size", "8", "--image-size", "32", "--width", "8", "--num-classes", "10",
                           "--samples", "256"],
+    "fsdp2_llama.py": ["--dim", "64", "--ffn-dim", "176", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
+                       "--vocab-size", "1000", "--seq-len", "32", "--local-batch-size", "4"],
 }
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
@@ -96,7 +98,7 @@ def test_compile_runs_eagerly_and_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["nanogpt-fp16-scaler", "gqa-fp32", "hf-trainer", "lightning", "vision-reference",
-                                  "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier"])
+                                  "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier", "fsdp2-llama"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -105,7 +107,7 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
     does = advice["script_does"]
     assert {k: does[k] for k in WHAT_IT_DOES.get(name, {})} == WHAT_IT_DOES.get(name, {})
     plans = {p["plan"] for p in advice["plans"]}
-    if does["autocast"]:  # what the script does already is not offered again
+    if does["autocast"] or does["forward_dtype"]:  # what the script does already is not offered again
         assert not any(p.startswith(("bf16", "fp16")) for p in plans) and "bf16" in advice["skipped"]
     if does["checkpointed"]:
         assert "ckpt" not in plans and advice["skipped"]["ckpt"] == "the script already checkpoints the repeated blocks"
@@ -121,6 +123,8 @@ WHAT_IT_DOES = {
     "accelerate-clm": {"autocast": "bf16", "micro_batches": 2, "optimizer": "AdamW"},
     # DDP's forward(*inputs) named by the wrapped ResNet's forward(x)
     "ddp-classifier": {"autocast": "bf16", "micro_batches": 1, "batch": {"x": [[8, 3, 32, 32], "fp32"]}},
+    # FSDP2's MixedPrecisionPolicy gathers bf16 parameters; checkpoint_wrapper's layers are recomputed
+    "fsdp2-llama": {"autocast": None, "forward_dtype": "bf16", "checkpointed": ["model.layers.0", "model.layers.1"]},
 }
 
 
