@@ -383,6 +383,19 @@ class SimulatedAllocator(TorchDispatchMode):
         self._handles[weakref.ref(storage, self._free)] = handle
         return handle
 
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` was resized in place (``UntypedStorage.resize_``, which no dispatch mode
+        sees): its block is freed, and one of its new size taken unless that is zero. FSDP2
+        frees a layer's gathered parameters so after use and makes them again for the next
+        all-gather (``torch.distributed.fsdp``'s ``free_storage``, ``alloc_storage``)."""
+        handle = self._handles.pop(weakref.ref(storage), None)
+        if handle is not None:
+            self.model.free(handle)
+            if self.events is not None:
+                self.events.append(("f", handle))
+        if storage.nbytes():
+            self._allocate(storage)
+
     def _free(self, key: weakref.ref) -> None:
         handle = self._handles.pop(key, None)
         if handle is not None:

@@ -373,6 +373,7 @@ class VirtualCUDA:
                 for attr, fn in self._ddp().items():
                     stack.enter_context(_replace(torch.nn.parallel.DistributedDataParallel, attr, fn))
             if self.allocator is not None:
+                stack.enter_context(_replace(torch.UntypedStorage, "resize_", _resizing(self.allocator)))
                 stack.enter_context(self.allocator)
             stack.enter_context(self.values)
             mode = _Mode(self)
@@ -526,6 +527,19 @@ def _keeping_parameters(original: Callable) -> Callable:
         return out
 
     return _apply
+
+
+def _resizing(allocator: Any) -> Callable:
+    """``UntypedStorage.resize_`` that the simulated allocator sees (C++ below any dispatch mode)."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        out = original(storage, size)
+        if storage.device.type == "meta":
+            allocator.resized(storage)
+        return out
+
+    return resize_
 
 
 def _module_compile(vc: VirtualCUDA) -> Callable:

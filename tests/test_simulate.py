@@ -204,6 +204,27 @@ def test_scripts_see_the_target():
     assert torch.cuda.is_available() is False or torch.cuda.get_device_name() != "RTX4090-24GB"
 
 
+def test_a_storage_resized_in_place_frees_and_takes_its_block():
+    """FSDP2 frees a layer's gathered parameters with ``storage.resize_(0)`` and makes them
+    again with ``resize_(nbytes)``, below any dispatch mode: the simulated allocator follows."""
+    from memprof.simulate import SimulatedAllocator
+
+    allocator = SimulatedAllocator(H100)
+    with VirtualCUDA(H100, allocator=allocator):
+        gathered = torch.empty(512, 512, device="cuda")  # 1 MiB
+        assert torch.cuda.memory_allocated() == MiB
+        gathered.untyped_storage().resize_(0)
+        assert torch.cuda.memory_allocated() == 0
+        gathered.untyped_storage().resize_(4 * MiB)
+        assert torch.cuda.memory_allocated() == 4 * MiB
+        host = torch.empty(8)
+        host.untyped_storage().resize_(64)  # a host storage: not the device's memory
+        assert torch.cuda.memory_allocated() == 4 * MiB
+        del gathered
+        assert torch.cuda.memory_allocated() == 0
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_
+
+
 def test_foreach_optimizer_and_a_model_built_beforehand():
     model = mlp().to("meta")  # built by the caller, outside the simulation
     opt = torch.optim.AdamW(model.parameters())
