@@ -278,8 +278,8 @@ class _Watch:
                           for name, m in model.named_modules() if name]
 
     def _on_model(self, module, args, kwargs) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return  # re-run in backward (the whole model checkpointed)
+        if torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
+            return  # re-run in backward (the whole model checkpointed), or evaluation between steps
         self.forwards += 1
         if self.forwards == 1:
             self._autocast()
@@ -288,7 +288,7 @@ class _Watch:
     def _on_module(self, name: str, module, args) -> None:
         if torch._C._current_graph_task_id() == -1:
             self.ran[name] = None
-            if self.forwards == 1:
+            if self.forwards == 1 and torch.is_grad_enabled():
                 # A wrapper may enter autocast inside the model's forward, after its hooks
                 # (Accelerate, hence Hugging Face's Trainer, wraps ``model.forward``).
                 self._autocast()

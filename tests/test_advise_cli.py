@@ -214,6 +214,8 @@ def test_the_script_watch_sees_checkpointing_accumulation_and_the_optimizer():
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], foreach=True)
     watch = _Watch(net, opt)
     for _ in range(2):  # two optimizer steps of three micro-batches
+        with torch.no_grad():  # evaluation between steps: not a micro-batch, not the batch
+            net(torch.randn(16, 8))
         for _ in range(3):
             net(torch.randn(4, 8)).sum().backward()
         opt.step()
