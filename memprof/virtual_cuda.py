@@ -70,6 +70,7 @@ _META = torch.device("meta")
 # mode off and must see meta.
 _DEVICE = torch._C.TensorBase.__dict__["device"]
 _IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
+_DATA = torch._C.TensorBase.__dict__["data"]
 
 
 def current() -> "VirtualCUDA | None":
@@ -116,6 +117,10 @@ class _Mode(TorchFunctionMode):
             return _CUDA0 if args[0].is_meta else func(*args)
         if owner is _IS_CUDA:
             return True if args[0].is_meta else func(*args)
+        if owner is _DATA and func.__name__ == "__set__" and _on_meta(args[1]) and not args[0].is_meta:
+            return _set_data(*args)
+        if func is torch.device and len(args) == 1 and isinstance(args[0], int) and not kwargs:
+            return torch.device("cuda", args[0])  # an index alone names a device of the accelerator
         name = getattr(func, "__name__", "")
         if "device" in kwargs:
             kwargs = {**kwargs, "device": _device_arg(kwargs["device"])}
@@ -480,6 +485,21 @@ def _imported(function: Callable) -> list[tuple[Any, str]]:
                 if value is function:
                     found.append((module, attr))
     return found
+
+
+def _set_data(t: torch.Tensor, value: torch.Tensor) -> None:
+    """``t.data = value`` for a host ``t`` and a simulated GPU's ``value``: on a GPU ``set_data``
+    moves ``t`` in place (FSDP moves its parameters so); a host tensor's data cannot become
+    a meta tensor's, so ``t`` and a tensor of ``value`` of its class swap contents instead
+    (``torch.utils.swap_tensors``), keeping ``t`` the same object, its ``requires_grad`` and
+    its gradient (None: a gradient would have to move with it)."""
+    if t.grad is not None:
+        raise RuntimeError("memprof cannot move a tensor that has a gradient onto the simulated GPU with .data =")
+    if isinstance(t, torch.nn.Parameter):
+        value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
+    else:
+        value = value.detach().requires_grad_(t.requires_grad)
+    torch.utils.swap_tensors(t, value)
 
 
 def _keeping_parameters(original: Callable) -> Callable:

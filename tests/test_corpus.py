@@ -97,6 +97,12 @@ def test_compile_runs_eagerly_and_says_so(tmp_path):
     assert "torch.compile" in report["meta"]["simulation_notes"]
 
 
+def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
+    report, stderr = _run("track", "lightning", tmp_path, "--steps", "2", extra=("--strategy", "ddp"))
+    assert report["modules"][0]["module"] == "DistributedDataParallel" and len(report["steps"]) == 2
+    assert "one rank of 1 on PyTorch's fake process group" in report["meta"]["simulation_notes"]["torch.distributed"]
+
+
 @pytest.mark.parametrize("name", ["nanogpt-fp16-scaler", "gqa-fp32", "hf-trainer", "lightning", "vision-reference",
                                   "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier", "fsdp2-llama"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):

@@ -225,6 +225,19 @@ def test_a_storage_resized_in_place_frees_and_takes_its_block():
     assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_
 
 
+def test_moving_a_host_tensor_in_place():
+    """``param.data = param.to("cuda")`` (FSDP moves its parameters so) keeps the object, as a
+    GPU's ``set_data`` does; an index alone names the accelerator's device."""
+    with VirtualCUDA("h100"):
+        p = nn.Parameter(torch.ones(4))
+        p.data = p.to("cuda")
+        assert type(p) is nn.Parameter and p.is_cuda and p.requires_grad and p.shape == (4,)
+        b = torch.ones(3)
+        b.data = b.cuda()
+        assert b.is_cuda and not b.requires_grad
+        assert torch.device(1) == torch.device("cuda", 1)
+
+
 def test_foreach_optimizer_and_a_model_built_beforehand():
     model = mlp().to("meta")  # built by the caller, outside the simulation
     opt = torch.optim.AdamW(model.parameters())

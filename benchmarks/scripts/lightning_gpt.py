@@ -193,6 +193,7 @@ def parse_args():
     parser.add_argument("--accelerator", default="auto")
     parser.add_argument("--devices", default=1)
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--strategy", default="auto", help="e.g. ddp (one process per device)")
     parser.add_argument("--log-dir", default=None)
     return parser.parse_args()
 
@@ -226,6 +227,7 @@ def main():
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
+        strategy=args.strategy,
         precision=args.precision,
         max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate_grad_batches,
