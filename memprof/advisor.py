@@ -20,7 +20,7 @@ import statistics
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import NamedTuple, Any, Callable, Iterator, Sequence
 
 import pandas as pd
 import torch
@@ -194,7 +194,10 @@ def simulate_plans(
         first, results, failed = _session(make_workload, base, pending, gpu, steps, advance, jobs)
         report = report or first
         for name, outcome in {**results, **failed}.items():
-            if isinstance(outcome, tuple) and isinstance(outcome[0], Report):  # tracked: (report, counters)
+            if isinstance(outcome, _Sampled):  # its steps' counters; the adjustment reads the report
+                c = outcome.counters
+                outcome = Prediction(c.peak_allocated, c.peak_reserved, c.seconds, outcome.report, device_seconds=c.busy)
+            elif isinstance(outcome, tuple) and isinstance(outcome[0], Report):  # tracked: (report, counters)
                 outcome = replace(Prediction.from_report(outcome[0]), seconds=outcome[1].seconds,
                                   device_seconds=outcome[1].busy)
             elif isinstance(outcome, tuple):
@@ -262,7 +265,7 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
                     return "failed", exc
                 try:  # tracking costs time: only steps whose samples are read are tracked
                     if key in sampled:
-                        return "ok", _tracked_steps(w, steps, track, allocator)
+                        return "ok", _sampled_steps(w, steps, track, allocator)
                     result = _plan_counters(w, allocator, steps, optimizer_steps)
                     if result is None:  # not derivable with a replayed optimizer step
                         _restart(w, allocator, built)
@@ -277,7 +280,11 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
 
         # Forked, the step as it is runs in a process of its own too: a backward in this
         # process would leave its forked copies unable to run one (memprof.parallel).
-        outcomes = run_forked(run, list(sharing), jobs, start) if forked else _in_turn(run, list(sharing), start)
+        # Longest first (Graham's rule: the processes end together): the step as it is, then
+        # the tracked steps, then by strategies combined (each adds work: recomputation,
+        # micro-batches derived one by one). Results do not depend on the order.
+        order = [()] + sorted(sharing.keys() - {()}, key=lambda k: (k in sampled, len(k)), reverse=True)
+        outcomes = run_forked(run, order, jobs, start) if forked else _in_turn(run, list(sharing), start)
         # What the build made lives through every plan: kept out of the garbage collector's
         # full collections (a Hugging Face model's objects cost 0.1-0.2 s a collection), which
         # also spares a forked process copying the pages those collections would touch.
@@ -332,6 +339,24 @@ def _tracked_steps(w: Workload, steps: int, track, allocator) -> tuple[Report, A
     start = allocator.mark()
     w.step()
     return prof.report(), allocator.since(start)
+
+
+class _Sampled(NamedTuple):
+    """A plan's steps' counters and the report whose samples its adjustment reads."""
+
+    counters: Any
+    report: Report
+
+
+def _sampled_steps(w: Workload, steps: int, track, allocator) -> _Sampled:
+    """A plan whose adjustment reads its samples: its counters as any plan's
+    (:func:`_plan_counters`), and the report of one step more under memprof.track,
+    from the state the first step leaves (the optimizer's state made). Half the
+    steps, and a quarter of the tracked ones, of simulating it as the base."""
+    counters = _plan_counters(w, allocator, steps)
+    with track(w.model, w.optimizer, warmup=1, every=1, timeline_steps=1, full=True) as prof:
+        w.step()
+    return _Sampled(counters, prof.report())
 
 
 def _plan_counters(w: Workload, allocator, steps: int, optimizer_steps: "_OptimizerSteps | None" = None):

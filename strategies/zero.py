@@ -177,7 +177,7 @@ class ZeRO(Strategy):
         step_peak = int(report.steps["peak_allocated"].iloc[-1])
         unsampled = len(last) > 0 and step_peak > int(last["interval_peak"].max())
         values, computing = [], False
-        for _, s in last.iterrows():
+        for s in last.to_dict("records"):  # rows as dicts: iterrows makes a Series per row
             kind = phase_kind(str(s["phase"]))
             # FSDP gathers from the first forward to the end of backward (the
             # loss between them runs outside the model, in phase "loss").
