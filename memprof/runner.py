@@ -335,6 +335,7 @@ def observe_script(
                          early=oom)
     saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
     outcome: BaseException | None = None
+    grouped = _process_group()
     try:
         sys.argv = [str(path), *map(str, args)]
         sys.path.insert(0, str(script.parent))
@@ -349,12 +350,21 @@ def observe_script(
                         observer.oom_files = observer.record_oom(exc)  # while what it failed on is still live
             finally:
                 observer.close()  # every hook and the tracker, before the simulated device goes
+                if _process_group() and not grouped:
+                    # Stopped before its own destroy_process_group(): the next run (another plan,
+                    # --verify) starts the script again, and a second init_process_group would fail.
+                    torch.distributed.destroy_process_group()
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
         if os.getcwd() != saved_cwd:
             os.chdir(saved_cwd)
     return _result(observer, path, list(args), outcome, device if gpu is not None else None)
+
+
+def _process_group() -> bool:
+    """Whether torch.distributed's default process group is initialised."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outcome: BaseException | None, device=None) -> Report:

@@ -245,6 +245,34 @@ def test_script_already_tracking(tmp_path, clean):
         observe_script(script)
 
 
+def test_a_distributed_script_stopped_early_can_run_again(tmp_path, clean):
+    """A script written for torchrun stops before its own destroy_process_group(): the
+    process group it made ends with the run, so the next run (another plan) can make it again."""
+    import torch.distributed as dist
+
+    script = write(tmp_path, """
+        import os, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        model = DDP(torch.nn.Linear(512, 512, bias=False).cuda())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(10):
+            model(torch.randn(8, 512, device="cuda")).sum().backward()
+            opt.step(); opt.zero_grad()
+        dist.destroy_process_group()
+    """)
+    for _ in range(2):
+        report = observe_script(script, steps=2, target="h200")
+        assert report.meta["simulation_notes"]["torch.distributed"].startswith("torch.distributed ran one rank of 1")
+        assert report.steps["step"].tolist() == [0, 1] and not dist.is_initialized()
+        # DDP's reducer keeps a bucket for the 1 MiB weight's gradient beside it (gradient_as_bucket_view
+        # off), counted with the temporaries, as are the batch (8 x 512 fp32) and two 512-byte scalars.
+        peak = report.peak.bytes
+        assert peak["parameters"] == peak["gradients"] == MiB
+        assert peak["temporaries"] == MiB + 8 * 512 * 4 + 2 * 512
+
+
 @pytest.mark.parametrize("kw", [{"steps": 0}, {"warmup": 0}, {"steps": 1.5}, {"timeout": 0}])
 def test_bad_arguments(mlp_script, kw, clean):
     with pytest.raises(ValueError, match=next(iter(kw))):
