@@ -333,7 +333,7 @@ def observe_script(
 
     observer = _Observer(steps, warmup, timeout, on_model, simulated=gpu is not None, on_step=on_step,
                          early=oom)
-    saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
+    saved_argv, saved_path, saved_cwd, saved_env = sys.argv, list(sys.path), os.getcwd(), dict(os.environ)
     outcome: BaseException | None = None
     grouped = _process_group()
     try:
@@ -359,6 +359,10 @@ def observe_script(
         sys.path[:] = saved_path
         if os.getcwd() != saved_cwd:
             os.chdir(saved_cwd)
+        # What the script set (torchrun's variables, by os.environ.setdefault) is not the next run's.
+        for key in os.environ.keys() - saved_env.keys():
+            del os.environ[key]
+        os.environ.update({k: v for k, v in saved_env.items() if os.environ.get(k) != v})
     return _result(observer, path, list(args), outcome, device if gpu is not None else None)
 
 

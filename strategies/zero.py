@@ -132,6 +132,8 @@ class ZeRO(Strategy):
 
     # -- simulated -----------------------------------------------------------
     def apply_simulated(self, workload: Workload) -> None:
+        if self.stage >= 2:
+            _check_shardable(workload.model)
         self.classes = sorted({type(b).__name__ for _, b in find_blocks(workload.model)})
         workload.applied.append(self.name)
 
@@ -231,6 +233,19 @@ class ZeRO(Strategy):
             seconds += (gathers + 1) * shard / link  # shards in, gradients out
             return seconds, shard / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_ADAM_RATE  # this rank's shard, its threads
         return seconds, 0.0
+
+
+def _check_shardable(model: nn.Module) -> None:
+    """FSDP2 shards parameters along their first dimension and refuses a non-contiguous one
+    (``fully_shard``: "FSDP does not support non-contiguous parameters yet"): a plan that needs
+    it fails here, as it would on the GPU, rather than being advised."""
+    for name, p in model.named_parameters():
+        if not p.is_contiguous():
+            layout = "channels_last" if p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) else \
+                f"strides {tuple(p.stride())}"
+            raise ValueError(
+                f"parameter {name} is not contiguous ({layout}), and FSDP2's fully_shard, which ZeRO-2/3 and state "
+                "offload use, shards contiguous parameters only")
 
 
 class StateOffload(ZeRO):

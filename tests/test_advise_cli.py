@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import cuda
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -307,6 +309,20 @@ def test_micro_batches_must_divide_the_batch():
             apply_to_script([Accumulation(8)], net, torch.optim.SGD(net.parameters(), lr=0.1), True, stack, facts)
         w = apply_to_script([Accumulation(2)], net, torch.optim.SGD(net.parameters(), lr=0.1), True, stack, facts)
         assert w.micro_batches == 2
+
+
+@pytest.mark.cuda
+@cuda
+def test_verify_measures_each_plan_in_a_fresh_run(tmp_path):
+    """--verify runs each plan in a process of its own: the step as it is measures what
+    the advice measured in its own (first) run of the script, to the byte."""
+    out = tmp_path / "advice.json"
+    r = memprof("advise", "examples/train_mlp.py", "--budget", "24GiB", "--verify", "--json", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    verified = {v["plan"]: v for v in json.loads(out.read_text())["verified"]}
+    assert len(verified) >= 2 and not any(isinstance(v.get("error"), str) for v in verified.values())
+    base = verified["baseline"]
+    assert base["measured_peak_allocated"] == base["predicted_peak_allocated"]
 
 
 def test_verified_plans_show_their_step_time_error():

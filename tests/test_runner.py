@@ -1,6 +1,7 @@
 """memprof.runner: observing unmodified scripts on the CPU, exact bytes, no hooks left behind."""
 
 import logging
+import os
 import sys
 import textwrap
 import uuid
@@ -262,8 +263,10 @@ def test_a_distributed_script_stopped_early_can_run_again(tmp_path, clean):
             opt.step(); opt.zero_grad()
         dist.destroy_process_group()
     """)
+    env = dict(os.environ)
     for _ in range(2):
         report = observe_script(script, steps=2, target="h200")
+        assert dict(os.environ) == env  # the script's MASTER_ADDR and MASTER_PORT went with it
         assert report.meta["simulation_notes"]["torch.distributed"].startswith("torch.distributed ran one rank of 1")
         assert report.steps["step"].tolist() == [0, 1] and not dist.is_initialized()
         # DDP's reducer keeps a bucket for the 1 MiB weight's gradient beside it (gradient_as_bucket_view

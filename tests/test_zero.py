@@ -146,6 +146,18 @@ def test_zero_arguments():
         ZeRO(2, True)
 
 
+def test_sharding_plans_fail_for_parameters_fsdp2_cannot_shard():
+    """FSDP2 refuses non-contiguous parameters (a channels_last convolution's weight): the
+    plans that use it fail when simulated, ZeRO-1 (DDP's buckets) does not."""
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3)).to(memory_format=torch.channels_last)
+    w = Workload(net, torch.optim.AdamW(net.parameters()), torch.randn(2, 3, 8, 8), lambda m, x: m(x).sum())
+    for plan in (ZeRO(2, 2), ZeRO(3, 4), StateOffload()):
+        with pytest.raises(ValueError, match=r"parameter 0.weight is not contiguous \(channels_last\), and FSDP2's"):
+            plan.apply_simulated(w)
+    ZeRO(1, 2).apply_simulated(w)
+    assert w.applied == ["zero1x2"]
+
+
 def test_autocast_follows_the_batch_not_offloaded_parameters():
     # FSDP2's CPU offload keeps the parameters on the host while the step
     # computes on the GPU: autocast is for the device of the batch (then of
