@@ -647,8 +647,9 @@ def verify_script(advice: ScriptAdvice, args: Sequence[str] = (), *, top: int = 
     Each run is a process of its own, started afresh as the user's run of the
     plan would be: a second run of a script in one process meets what the
     first left there (Accelerate's shared state, a process group, cached
-    allocator segments), which measured an Accelerate script's plans up to
-    3.6 GiB above their own runs on an H200."""
+    allocator segments): an Accelerate script's checkpointing measured 9.28 GiB
+    allocated in the advising process, 7.71 GiB in its own
+    (benchmarks/results/verify-fresh-runs.md)."""
     import multiprocessing
 
     if not torch.cuda.is_available():
