@@ -51,17 +51,19 @@ def _args(name: str) -> tuple[Path, str, list[str]]:
     return SCRIPTS / folder, script, [*args, *SMALL["nanogpt" if folder == "nanogpt" else script]]
 
 
-def _memprof(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+def _memprof(cwd: Path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([sys.executable, "-m", "memprof.cli", *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=900)
 
 
-def _run(command: str, name: str, tmp_path: Path, *options: str, extra: tuple[str, ...] = ()) -> tuple[dict, str]:
+def _run(command: str, name: str, tmp_path: Path, *options: str, extra: tuple[str, ...] = (),
+         env: dict | None = None) -> tuple[dict, str]:
     """``memprof COMMAND`` on corpus entry ``name`` for the simulated H200: (its JSON, its stderr)."""
     cwd, script, args = _args(name)
     out = tmp_path / "out.json"
-    done = _memprof(cwd, command, script, "--target", "h200", *options, "--json", str(out), "--", *args, *extra)
+    done = _memprof(cwd, command, script, "--target", "h200", *options, "--json", str(out), "--", *args, *extra,
+                    env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text()), done.stderr
 
@@ -95,6 +97,22 @@ def test_compile_runs_eagerly_and_says_so(tmp_path):
     report, stderr = _run("track", "nanogpt-bf16", tmp_path, "--steps", "2", extra=("--compile=True",))
     assert "torch.compile is simulated eagerly" in stderr
     assert "torch.compile" in report["meta"]["simulation_notes"]
+
+
+def test_a_torchrun_script_simulates_one_rank_of_world_size(tmp_path):
+    """torchrun's WORLD_SIZE reaches the fake process group: FSDP2 shards each parameter's
+    rows over it, and Adam's state with it: per tensor 1/N of its fp32 bytes (every first
+    dimension here is even), in 512-byte blocks."""
+    from math import prod
+
+    # The small Llama: embedding and head 1000 x 64; per layer q, k, v, o, gate, up, down
+    # (2 key/value heads of 16) and two norms; the final norm.
+    layer = [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (176, 64), (64, 176), (64,), (64,)]
+    shapes = [(1000, 64), (1000, 64), *layer, *layer, (64,)]
+    for n in (1, 2):
+        report = _run("track", "fsdp2-llama", tmp_path, "--steps", "2", env={"WORLD_SIZE": str(n)})[0]
+        assert f"one rank of {n} " in report["meta"]["simulation_notes"]["torch.distributed"]
+        assert report["optimizer_state"]["exp_avg"] == sum(-(-prod(s) * 4 // n // 512) * 512 for s in shapes)
 
 
 def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
