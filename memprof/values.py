@@ -56,6 +56,21 @@ def _writes(func) -> tuple[int, ...]:
 
 _WRITES: dict[Any, tuple[int, ...]] = {}
 
+_ops = torch.ops.aten
+#: Factories of uninitialised memory: their values are not known (on the host they would be
+#: whatever the memory held, and a kernel reading them, max-pooling's backward following
+#: indices an offloaded activation left empty, would read out of bounds).
+_UNINITIALISED = {_ops.empty.memory_format, _ops.empty_strided.default, _ops.new_empty.default,
+                  _ops.new_empty_strided.default, _ops.empty_like.default, _ops.empty_permuted.default}
+#: In-place operators that write every element of their first argument from the others alone.
+_OVERWRITES = {_ops.fill_.Scalar, _ops.fill_.Tensor, _ops.zero_.default, _ops.copy_.default}
+
+
+def _whole(t: Any) -> bool:
+    """Whether ``t`` is a meta tensor that is all of its storage, element for element."""
+    return (isinstance(t, torch.Tensor) and t.is_meta and t.is_contiguous() and t.storage_offset() == 0
+            and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+
 
 class Values(TorchDispatchMode):
     """Follows the values of small meta tensors (see the module docstring)."""
@@ -89,7 +104,16 @@ class Values(TorchDispatchMode):
             # (as VirtualCUDA does for Python's copies).
             known = self.shadow(args[1])
             return args[0] if known is None else args[0].copy_(known)
+        if func in _UNINITIALISED:
+            return func(*args, **kwargs)  # no values to follow: its memory is whatever was there
         known = all(self._has(t) for t in metas)
+        if not known and func in _OVERWRITES and _whole(args[0]) and all(self._has(t) for t in metas[1:]):
+            # Every element of the target written from known values (an empty tensor filled, copied
+            # into): its old values do not matter, so it is known after.
+            out = func(*args, **kwargs)
+            host = torch.zeros(args[0].shape, dtype=args[0].dtype)
+            self._keep(out, func(host, *map_leaves(self._cpu, args[1:]), **_host(map_leaves(self._cpu, kwargs))))
+            return out
         if torch.Tag.dynamic_output_shape in func.tags:
             if not known:
                 raise UnknownValues(_unknown(func))

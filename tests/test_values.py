@@ -56,3 +56,21 @@ def test_an_output_whose_elements_share_memory_gets_no_shadow():
     with VirtualCUDA(get_gpu("h100")) as vc:
         t = torch.empty_strided((4, 8), (0, 1), device="meta")
         assert t.shape == (4, 8) and vc.values.shadow(t) is None
+
+
+def test_uninitialised_memory_has_no_values_until_every_element_is_written():
+    """``torch.empty`` holds whatever the memory held: not followed (a kernel reading such
+    values on the host, max-pooling's backward with indices an offloaded activation left
+    empty, read out of bounds). Filled or copied into whole, it is known again; a partial
+    write leaves it unknown."""
+    with VirtualCUDA("h200") as gpu:
+        t = torch.empty(4, device="cuda")
+        assert gpu.values.shadow(t) is None and gpu.values.shadow(torch.empty_like(t)) is None
+        t.fill_(2.0)
+        assert gpu.values.shadow(t).tolist() == [2.0] * 4
+        u = torch.empty(2, 3, dtype=torch.long, device="cuda")
+        u.copy_(torch.arange(6).reshape(2, 3))  # from the host
+        assert (u + 1).tolist() == [[1, 2, 3], [4, 5, 6]]
+        v = torch.empty(4, device="cuda")
+        v[:2].fill_(1.0)
+        assert gpu.values.shadow(v) is None
