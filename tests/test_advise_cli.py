@@ -23,6 +23,15 @@ def memprof(*args, cwd=ROOT, env=None):
     )
 
 
+def advise_source(tmp_path, source: str, budget: str = "24GiB"):
+    """``memprof advise`` on a script of ``source``: its JSON advice and the finished process."""
+    script, out = tmp_path / "train.py", tmp_path / "advice.json"
+    script.write_text(source)
+    r = memprof("advise", script, "--budget", budget, "--json", out)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text()), r
+
+
 def check_schema(data: dict) -> None:
     """docs/advise-json.md, key by key."""
     assert data["schema"] == 1
@@ -261,12 +270,7 @@ for _ in range(4):
 def test_the_watch_sees_a_wrapped_forward(tmp_path):
     """Autocast and checkpointing applied by wrapping ``forward`` (Accelerate, Hugging
     Face's layers) are what the script does: those plans are left out."""
-    script = tmp_path / "wrapped.py"
-    script.write_text(WRAPPED)
-    out = tmp_path / "advice.json"
-    r = memprof("advise", script, "--budget", "24GiB", "--json", out)
-    assert r.returncode == 0, r.stderr
-    data = json.loads(out.read_text())
+    data, r = advise_source(tmp_path, WRAPPED)
     assert data["script_does"]["autocast"] == "bf16" and data["script_does"]["checkpointed"] == ["1", "2"]
     assert "  checkpointed: 1, 2" in r.stdout
     names = {p["plan"] for p in data["plans"]}
@@ -439,12 +443,7 @@ def test_a_classifier_gets_checkpointing_and_accumulation(tmp_path):
     """A classifier written the common way: blocks that are nn.Sequential(conv,
     norm, act) in a ModuleList, batches from a DataLoader copied to the GPU, the
     loss outside the model against the targets."""
-    script = tmp_path / "classifier.py"
-    script.write_text(CLASSIFIER)
-    out = tmp_path / "advice.json"
-    r = memprof("advise", script, "--budget", "24GiB", "--json", out)
-    assert r.returncode == 0, r.stderr
-    data = json.loads(out.read_text())
+    data, _ = advise_source(tmp_path, CLASSIFIER)
     assert data["failed"] == {}
     plans = {p["plan"]: p for p in data["plans"]}
     assert {"ckpt", "accum2", "accum4", "ckpt+accum2"} <= set(plans)
