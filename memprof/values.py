@@ -62,8 +62,12 @@ _ops = torch.ops.aten
 #: indices an offloaded activation left empty, would read out of bounds).
 _UNINITIALISED = {_ops.empty.memory_format, _ops.empty_strided.default, _ops.new_empty.default,
                   _ops.new_empty_strided.default, _ops.empty_like.default, _ops.empty_permuted.default}
-#: In-place operators that write every element of their first argument from the others alone.
-_OVERWRITES = {_ops.fill_.Scalar, _ops.fill_.Tensor, _ops.zero_.default, _ops.copy_.default}
+#: In-place operators that write every element of their first argument from the others alone
+#: (or from the random generator: how a module initialises the parameters it made empty).
+_OVERWRITES = {_ops.fill_.Scalar, _ops.fill_.Tensor, _ops.zero_.default, _ops.copy_.default, _ops.uniform_.default,
+               _ops.normal_.default, _ops.random_.default, getattr(_ops.random_, "from"), _ops.random_.to,
+               _ops.exponential_.default, _ops.bernoulli_.float, _ops.log_normal_.default, _ops.cauchy_.default,
+               _ops.geometric_.default}
 
 
 def _whole(t: Any) -> bool:

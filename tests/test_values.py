@@ -74,3 +74,5 @@ def test_uninitialised_memory_has_no_values_until_every_element_is_written():
         v = torch.empty(4, device="cuda")
         v[:2].fill_(1.0)
         assert gpu.values.shadow(v) is None
+        w = torch.nn.Linear(4, 2, device="cuda").weight  # made empty, then drawn at random
+        assert -0.5 <= gpu.values.shadow(w).min() and gpu.values.shadow(w).max() <= 0.5  # kaiming_uniform_'s bound
