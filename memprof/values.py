@@ -70,10 +70,10 @@ _OVERWRITES = {_ops.fill_.Scalar, _ops.fill_.Tensor, _ops.zero_.default, _ops.co
                _ops.geometric_.default}
 
 
-def _whole(t: Any) -> bool:
-    """Whether ``t`` is a meta tensor that is all of its storage, element for element."""
+def _whole(t: Any, limit: int) -> bool:
+    """Whether ``t`` is a meta tensor of at most ``limit`` bytes that is all of its storage."""
     return (isinstance(t, torch.Tensor) and t.is_meta and t.is_contiguous() and t.storage_offset() == 0
-            and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+            and t.numel() * t.element_size() == t.untyped_storage().nbytes() <= limit)
 
 
 class Values(TorchDispatchMode):
@@ -111,7 +111,8 @@ class Values(TorchDispatchMode):
         if func in _UNINITIALISED:
             return func(*args, **kwargs)  # no values to follow: its memory is whatever was there
         known = all(self._has(t) for t in metas)
-        if not known and func in _OVERWRITES and _whole(args[0]) and all(self._has(t) for t in metas[1:]):
+        if (not known and func in _OVERWRITES and _whole(args[0], self.limit)
+                and all(self._has(t) for t in metas[1:])):
             # Every element of the target written from known values (an empty tensor filled, copied
             # into): its old values do not matter, so it is known after.
             out = func(*args, **kwargs)

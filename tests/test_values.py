@@ -58,7 +58,7 @@ def test_an_output_whose_elements_share_memory_gets_no_shadow():
         assert t.shape == (4, 8) and vc.values.shadow(t) is None
 
 
-def test_uninitialised_memory_has_no_values_until_every_element_is_written():
+def test_uninitialised_memory_has_no_values_until_every_element_is_written(monkeypatch):
     """``torch.empty`` holds whatever the memory held: not followed (a kernel reading such
     values on the host, max-pooling's backward with indices an offloaded activation left
     empty, read out of bounds). Filled or copied into whole, it is known again; a partial
@@ -76,3 +76,9 @@ def test_uninitialised_memory_has_no_values_until_every_element_is_written():
         assert gpu.values.shadow(v) is None
         w = torch.nn.Linear(4, 2, device="cuda").weight  # made empty, then drawn at random
         assert -0.5 <= gpu.values.shadow(w).min() and gpu.values.shadow(w).max() <= 0.5  # kaiming_uniform_'s bound
+        big = torch.empty(LIMIT // 4 + 1, device="cuda")  # one float over the limit: never followed,
+        made = []  # nor written on the host (a 7B model's initialisation would run there)
+        zeros = torch.zeros
+        monkeypatch.setattr(torch, "zeros", lambda *a, **k: made.append(a) or zeros(*a, **k))
+        big.fill_(1.0)
+        assert gpu.values.shadow(big) is None and made == []
