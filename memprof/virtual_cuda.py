@@ -433,12 +433,12 @@ class VirtualCUDA:
             init(ddp, *args, **kwargs)
             register(ddp, None, noop_hook)
 
-        def register_comm_hook(ddp: DDP, state: Any, hook: Callable) -> None:
+        def left_out(hook: Any) -> None:
             self.notes["DDP communication hook"] = (
                 f"DDP's communication hook {getattr(hook, '__name__', hook)!s} is not simulated (no communication is)")
 
-        return {"__init__": __init__, "register_comm_hook": register_comm_hook,
-                "_register_builtin_comm_hook": register_comm_hook}
+        return {"__init__": __init__, "register_comm_hook": lambda ddp, state, hook: left_out(hook),
+                "_register_builtin_comm_hook": lambda ddp, comm_hook_type: left_out(comm_hook_type)}
 
     def _compile(self, model: Any = None, **kwargs: Any) -> Any:
         """``torch.compile``: eager, with a note in the report (compiled code's memory is not simulated)."""

@@ -238,6 +238,25 @@ def test_moving_a_host_tensor_in_place():
         assert torch.device(1) == torch.device("cuda", 1)
 
 
+def test_ddp_with_a_communication_hook_of_its_own():
+    """A script's DDP communication hooks are left out (no communication is simulated): its
+    step runs, and the report says which hook."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    with VirtualCUDA("h100") as vc:
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        try:
+            model = nn.parallel.DistributedDataParallel(nn.Linear(8, 8).cuda())
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            model(torch.randn(2, 8, device="cuda")).sum().backward()
+            assert model.module.weight.grad.shape == (8, 8)
+            model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        finally:
+            dist.destroy_process_group()
+    assert vc.notes["DDP communication hook"].startswith("DDP's communication hook BuiltinCommHookType.FP16_COMPRESS")
+
+
 def test_foreach_optimizer_and_a_model_built_beforehand():
     model = mlp().to("meta")  # built by the caller, outside the simulation
     opt = torch.optim.AdamW(model.parameters())
