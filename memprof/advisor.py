@@ -20,7 +20,7 @@ import statistics
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import pandas as pd
 import torch
@@ -283,8 +283,8 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
         # Longest first (Graham's rule: the processes end together): the step as it is, then
         # the tracked steps, then by strategies combined (each adds work: recomputation,
         # micro-batches derived one by one). Results do not depend on the order.
-        order = [()] + sorted(sharing.keys() - {()}, key=lambda k: (k in sampled, len(k)), reverse=True)
-        outcomes = run_forked(run, order, jobs, start) if forked else _in_turn(run, list(sharing), start)
+        order = [()] + sorted((k for k in sharing if k), key=lambda k: (k in sampled, len(k)), reverse=True)
+        outcomes = run_forked(run, order, jobs, start) if forked else _in_turn(run, order, start)
         # What the build made lives through every plan: kept out of the garbage collector's
         # full collections (a Hugging Face model's objects cost 0.1-0.2 s a collection), which
         # also spares a forked process copying the pages those collections would touch.
