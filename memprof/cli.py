@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -272,6 +273,8 @@ def _script_output(verbose: bool, console: Console):
             os.dup2(fd, f)
         yield progress, path
     finally:
+        # What the stopped script left (a progress bar prints as it is finalised) still writes to the log.
+        gc.collect()
         sys.stdout.flush()
         sys.stderr.flush()
         for f, old in zip(fds, saved):

@@ -101,6 +101,31 @@ def accumulation_change(data: dict, plan: str) -> list[str]:
     return [Accumulation(int(plan[5:])).code_change(type("Facts", (), data["script_does"]))]
 
 
+LEAVES_A_BAR = """\
+import sys, torch
+
+class Bar:  # a progress bar prints its last state as it is finalised (tqdm's __del__)
+    def __del__(self):
+        print("bar closed", file=sys.stderr)
+
+model = torch.nn.Linear(64, 64).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+bar = Bar()
+bar.me = bar  # in a cycle: only the garbage collector finalises it
+for _ in range(100):
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    opt.step(); opt.zero_grad()
+"""
+
+
+def test_what_the_stopped_script_leaves_writes_to_its_log(tmp_path):
+    data, r = advise_source(tmp_path, LEAVES_A_BAR)
+    assert "bar closed" not in r.stdout + r.stderr
+    log = next(line.split(" is in ")[1].split(" (")[0] for line in r.stdout.splitlines()
+               if "the script's own output is in" in line)
+    assert "bar closed" in Path(log).read_text()
+
+
 def test_progress_bar_on_a_terminal_only(tmp_path):
     import os
     import pty
