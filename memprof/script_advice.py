@@ -45,6 +45,7 @@ from .advisor import Advice, PlanFactory, _adjusted, _progress, _step_view, defa
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import ScriptError, observe_script
+from .simulate import _HALF
 from .workload import Workload
 
 __all__ = ["ScriptAdvice", "advise_script", "verify_script"]
@@ -166,7 +167,6 @@ def _divisible(k: int):
     return cut
 
 
-_HALF_DTYPES = (torch.bfloat16, torch.float16)
 _SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 
 
@@ -296,7 +296,7 @@ class _Watch:
                 # FSDP gathers a layer's parameters in its own pre-forward hook, registered before ours.
                 if self.facts.forward_dtype is None:
                     half = next((p.dtype for p in module._parameters.values()
-                                 if p is not None and p.dtype in _HALF_DTYPES), None)
+                                 if p is not None and p.dtype in _HALF), None)
                     self.facts.forward_dtype = half and _dtype(half)
         elif not any(name.startswith(r + ".") for r in self.recomputed):
             # A module run while autograd computes gradients is recomputed: activation checkpointing.

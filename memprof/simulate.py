@@ -388,11 +388,7 @@ class SimulatedAllocator(TorchDispatchMode):
         sees): its block is freed, and one of its new size taken unless that is zero. FSDP2
         frees a layer's gathered parameters so after use and makes them again for the next
         all-gather (``torch.distributed.fsdp``'s ``free_storage``, ``alloc_storage``)."""
-        handle = self._handles.pop(weakref.ref(storage), None)
-        if handle is not None:
-            self.model.free(handle)
-            if self.events is not None:
-                self.events.append(("f", handle))
+        self._free(weakref.ref(storage))
         if storage.nbytes():
             self._allocate(storage)
 

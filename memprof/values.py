@@ -103,9 +103,9 @@ class Values(TorchDispatchMode):
         if not on_meta:
             return func(*args, **kwargs)  # the host's own work: real tensors, real values
         if func is torch.ops.aten.copy_.default and not args[0].is_meta:
-            # A copy to the host made below Python (DDP's reducer reads back bucket indices it
-            # broadcast): the source's values where known, else the host tensor is left as it is
-            # (as VirtualCUDA does for Python's copies).
+            # A copy to the host (``host.copy_(x)`` in Python, DDP's reducer reading back the
+            # bucket order it broadcast in C++): the source's values where known, else the host
+            # tensor is left as it is.
             known = self.shadow(args[1])
             return args[0] if known is None else args[0].copy_(known)
         if func in _UNINITIALISED:

@@ -132,9 +132,6 @@ class _Mode(TorchFunctionMode):
             args = (args[0], *(_device_arg(a) if not isinstance(a, torch.Tensor) else a for a in args[1:]))
             if _on_meta(args[0]) and _to_host(args[1:], kwargs):
                 return self._leave(args[0], args[1:], kwargs)
-        elif name == "copy_" and len(args) > 1 and _on_meta(args[1]) and not _on_meta(args[0]):
-            known = self.vc.values.shadow(args[1])  # device-to-host copy: the values, where known
-            return args[0].copy_(known) if known is not None else args[0]
         elif name in _ON_META and args and _on_meta(args[0]):
             return _ON_META[name](self.vc, *args, **kwargs)
         elif name.startswith("_amp_") or name == "_foreach_non_finite_check_and_unscale_":

@@ -20,6 +20,8 @@ def test_small_tensors_keep_their_values_through_ops_views_and_in_place_updates(
         assert mask.nonzero().shape == (3, 2)
         assert float(torch.full((), 0.0, device="cuda")) == 0.0  # a GradScaler's found-inf flag
         assert gpu.values.shadow(torch.arange(4, device="cuda")).tolist() == [0, 1, 2, 3]
+        host = torch.zeros(3, dtype=torch.long)
+        assert host.copy_(torch.arange(3, device="cuda")).tolist() == [0, 1, 2]  # a copy to the host
 
 
 def test_writes_that_cannot_be_followed_drop_the_values():
