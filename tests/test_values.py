@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from memprof.aten_args import tensors
 from memprof.values import LIMIT, UnknownValues, Values
 from memprof.virtual_cuda import VirtualCUDA
 
@@ -32,6 +33,29 @@ def test_writes_that_cannot_be_followed_drop_the_values():
         small.copy_(big[:4])  # written from unknown values
         assert gpu.values.shadow(small) is None
         assert small.sum().item() == 1.0  # the placeholder for unknown values
+
+
+def test_a_large_factory_is_never_computed_on_the_host():
+    """A factory has no inputs whose values could be unknown: its size decides. A batch of
+    2^40 random floats (4 TiB) is made on the simulated GPU at once, and a small one still
+    gets its values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostWork(TorchDispatchMode):  # below the simulated GPU: sees what it asks of the host
+        sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.sizes += [t.numel() * t.element_size() for t in tensors(out) if not t.is_meta]
+            return out
+
+    with HostWork(), VirtualCUDA("h200") as gpu:
+        huge = torch.randn(4096, 4096, device="cuda")  # 64 MiB, as a batch of inputs
+        ones = torch.ones(2**40, device="cuda").reshape(2**20, 2**20)
+        assert huge.shape == (4096, 4096) and ones.shape == (2**20, 2**20)
+        assert gpu.values.shadow(huge) is None and gpu.values.shadow(ones) is None
+        assert torch.ones(LIMIT // 4, device="cuda").sum().item() == LIMIT // 4
+    assert max(HostWork.sizes) == LIMIT  # the small one's values
 
 
 def test_value_shaped_ops_on_unknown_values_raise():
