@@ -38,7 +38,7 @@ import time
 import weakref
 from collections import defaultdict, deque
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import pandas as pd
 import torch
@@ -169,7 +169,7 @@ class Tracker:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         *,
         device: torch.device | str | None = None,
         warmup: int = 3,
@@ -181,10 +181,13 @@ class Tracker:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"memprof.track needs an nn.Module, got {type(model).__name__}: pass your model, e.g. track(model)")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        bad = [o for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
+        if optimizer is not None and (bad or not optimizers):
             raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}; "
-                "leave it out to find the optimizer automatically"
+                "optimizer must be a torch.optim.Optimizer, a list of them (a step ends when the last one steps) "
+                f"or None, got {type(bad[0]).__name__ if bad else 'an empty list'}; leave it out to find the "
+                "optimizer automatically"
             )
         for arg, value, low in (
             ("warmup", warmup, 0), ("every", every, 0), ("timeline_steps", timeline_steps, 1), ("history", history, 1)
@@ -192,7 +195,12 @@ class Tracker:
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{arg} must be an integer >= {low}, got {value!r}")
         self._model = weakref.ref(model)
-        self._optimizer = weakref.ref(optimizer) if optimizer is not None else None
+        # The optimizers given (None: found at their first step); the last one's step ends a step.
+        self._given = None if optimizer is None else [weakref.ref(o) for o in optimizers]
+        # The modules the script calls: the model, or the children of a container that has
+        # no forward of its own (nn.ModuleDict of a GAN's generator and discriminator).
+        roots = list(model.children()) if type(model).forward is nn.Module.forward else [model]
+        self._roots = [weakref.ref(m) for m in roots or [model]]
         self.device = self._resolve_device(model, device)
         self._simulated = self.device.type == "meta"
         self.warmup, self.every = warmup, every
@@ -225,7 +233,7 @@ class Tracker:
         # Each optimizer's state as last recorded, in the order of its ``state``:
         # weak references to each parameter and to its state tensors.
         self._recorded_state: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple]] = weakref.WeakKeyDictionary()
-        self._primary: weakref.ref | None = self._optimizer
+        self._primary: weakref.ref | None = self._given[-1] if self._given else None
 
         self._handles: list = []  # removed on exit
         # Classes whose zero_grad is wrapped, (class, its own zero_grad or None, the wrapper): restored on exit.
@@ -294,11 +302,13 @@ class Tracker:
             self._user_view.__enter__()
             self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
             self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
-            self._handles.append(model.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
-            self._wrap_zero_grad(model)
-            if self._optimizer is not None:
-                self._optimizers[self._optimizer()] = True
-                self._wrap_zero_grad(self._optimizer())
+            for ref in self._roots:
+                root = ref()
+                self._handles.append(root.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
+                self._wrap_zero_grad(root)
+            for ref in self._given or ():
+                self._optimizers[ref()] = True
+                self._wrap_zero_grad(ref())
             self._counters.reset_peak()  # later steps begin where the last one's counters were read and reset
             self._begin_step()
         except BaseException:
@@ -1023,7 +1033,7 @@ class Tracker:
     def _is_ours(self, opt: torch.optim.Optimizer) -> bool:
         known = self._optimizers.get(opt)
         if known is None:
-            if self._optimizer is not None:
+            if self._given is not None:
                 known = False
             else:  # an optimizer over the tracked model's parameters
                 led = self._ledger
@@ -1148,7 +1158,7 @@ class Tracker:
         """The tracked model or one of its optimizers (not another instance of their classes)."""
         if isinstance(obj, torch.optim.Optimizer):
             return self._optimizers.get(obj) is True
-        return obj is self._model()
+        return any(obj is ref() for ref in self._roots)
 
     def _unwrap_zero_grads(self) -> None:
         for cls, own, wrapper in reversed(self._zero_grads):
@@ -1245,7 +1255,7 @@ def _describe(error: BaseException) -> str:
 
 def track(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     *,
     device: torch.device | str | None = None,
     warmup: int = 3,
@@ -1268,7 +1278,11 @@ def track(
         print(prof.report())
 
     A step ends when the optimizer steps (found through PyTorch's global
-    optimizer hooks unless given). ``warmup`` steps are profiled, then every
+    optimizer hooks unless given). A script that trains several models with
+    an optimizer each (a GAN's generator and discriminator) tracks them as one:
+    ``track(nn.ModuleDict({"G": netG, "D": netD}), [opt_d, opt_g])``, each
+    model called as the script calls it, and a step ends when the last
+    optimizer of the list steps. ``warmup`` steps are profiled, then every
     ``every``-th step (``every=1``: all; ``0``: none after warmup); the other
     steps cost one read of the allocator's counters.
 

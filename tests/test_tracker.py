@@ -286,6 +286,40 @@ def test_explicit_optimizer():
     assert prof.report().optimizer_state == {"momentum_buffer": 2 * MiB}
 
 
+def test_two_models_with_an_optimizer_each_are_tracked_as_one():
+    """A GAN's loop: the discriminator steps, then the generator. Tracked as one
+    ModuleDict with both optimizers, a step ends where the last of them steps,
+    and both models' parameters and Adam state are named, none a temporary."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 512))
+    D = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 1))
+    opt_d, opt_g = torch.optim.Adam(D.parameters()), torch.optim.Adam(G.parameters())
+    both = nn.ModuleDict({"G": G, "D": D})  # no forward of its own: G and D are called
+    with memprof.track(both, [opt_d, opt_g], warmup=3) as prof:
+        for _ in range(3):
+            D.zero_grad()
+            fake = G(torch.randn(32, 64))
+            (D(fake.detach()).mean() - D(torch.randn(32, 512)).mean()).backward()
+            opt_d.step()
+            G.zero_grad()
+            (-D(fake).mean()).backward()
+            opt_g.step()
+    r = prof.report()
+    assert len(r.steps) == 3
+    g, d = (64 * 256 + 256 + 256 * 512 + 512) * 4, (512 * 256 + 256 + 256 + 1) * 4
+    assert r.peak.bytes["parameters"] == g + d
+    assert r.peak.bytes["optimizer_state"] == 2 * (g + d) + 8 * 4  # m and v, and a 4-byte step per tensor
+    assert r.peak.bytes["temporaries"] == 0
+    assert r.modules.loc["ModuleDict.G", "parameters"] == g and r.modules.loc["ModuleDict.D", "parameters"] == d
+    phases = r.timeline[r.timeline.step == 2].phase.tolist()
+    # The step runs from the generator's zero_grad to its optimizer step, with the discriminator's between.
+    assert phases[-1] == "optimizer step" and phases.index("optimizer step") < phases.index("backward ModuleDict.G.0")
+    with pytest.raises(TypeError, match=r"a list of them .* got str"):
+        memprof.track(both, [opt_d, "opt_g"])
+    with pytest.raises(TypeError, match="got an empty list"):
+        memprof.track(both, [])
+
+
 def test_chains_to_user_saved_tensor_hooks():
     """A user's own saved-tensors hooks keep working under track, and what they
     keep off the device is not counted as activations."""
