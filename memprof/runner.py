@@ -90,7 +90,11 @@ class _Observer:
         self._depth = 0
         self._seq = itertools.count()
         self._outermost: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-        self._pending: tuple[nn.Module, torch.optim.Optimizer] | None = None
+        self._pending: tuple[nn.Module, list[torch.optim.Optimizer]] | None = None
+        # What the tracker follows: the models and their optimizers, in the order they step.
+        self._trained: list[tuple[nn.Module, torch.optim.Optimizer]] = []
+        self._root: nn.Module | None = None  # several models as one (the tracker holds it weakly)
+        self._tracking = ExitStack()  # the tracker and its step hook: closed to start again
         self._previous_profile: Any = None
         self._profiling = False
         self._stack = ExitStack()  # every hook and the tracker: closed in one place
@@ -99,6 +103,7 @@ class _Observer:
     # -- lifetime --------------------------------------------------------------
     def install(self) -> None:
         self._stack.callback(self._restore_profile)
+        self._stack.callback(self._tracking.close)
         for handle in (
             register_module_forward_pre_hook(self._on_forward_pre),
             register_module_forward_hook(self._on_forward, always_call=True),
@@ -153,7 +158,10 @@ class _Observer:
 
     def _on_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self._check()
-        if self.tracker is not None or self._pending is not None:
+        if self._pending is not None:
+            return
+        if self.tracker is not None:
+            self._another_optimizer(opt)
             return
         self.optimizer_steps += 1
         if self.optimizer_steps < self.warmup:
@@ -167,10 +175,38 @@ class _Observer:
                 "to CUDA (it may pick its device from an option or an environment variable); run it the way it "
                 "trains on a GPU, e.g. pass its device option as 'cuda' after --"
             )
-        self._pending = (model, opt)
-        # Start tracking once this optimizer.step() call returns: PyTorch is
-        # iterating over the step hooks, which must not change meanwhile.
-        stepping = _step_frame(sys._getframe(1))
+        self._trained = [(model, opt)]
+        self._pending = (model, [opt])
+        self._start_after(sys._getframe(1))
+
+    def _another_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        """Another optimizer steps: over the same model (Muon for the matrices and
+        AdamW for the rest, SparseAdam for embeddings) or over a model of its own (a
+        GAN's generator after its discriminator). They train together, so the steps
+        tracked so far are dropped and tracking starts again from the end of this
+        call with every optimizer seen (this one ends each step) and every model
+        (several as one ``nn.ModuleDict``). Plans (``on_model``) apply to one model
+        and its optimizer: advice keeps the first (its facts say what else trains)."""
+        if self.on_model is not None or any(opt is o for _, o in self._trained):
+            return
+        model = self._find_model(opt, quiet=True)
+        if model is None:
+            return
+        self._trained.append((model, opt))
+        models = list(dict.fromkeys(m for m, _ in self._trained))
+        models = [m for m in models if not any(m is not o and any(m is c for c in o.modules()) for o in models)]
+        names: dict[str, nn.Module] = {}
+        for m in models:
+            name = type(m).__name__
+            names[name if name not in names else f"{name}_{len(names)}"] = m
+        self._root = nn.ModuleDict(names) if len(models) > 1 else None
+        self._pending = (self._root or models[0], [o for _, o in self._trained])
+        self._start_after(sys._getframe(2))
+
+    def _start_after(self, frame) -> None:
+        """Start tracking once the optimizer.step() call running in ``frame`` returns:
+        PyTorch is iterating over the step hooks, which must not change meanwhile."""
+        stepping = _step_frame(frame)
         self._previous_profile = sys.getprofile()
 
         def on_return(frame, event: str, arg: Any) -> None:
@@ -198,13 +234,16 @@ class _Observer:
 
     # -- tracking --------------------------------------------------------------
     def _start(self) -> None:
-        model, opt = self._pending
+        model, opts = self._pending
         self._pending = None
         self._end_early()
+        self._tracking.close()  # tracking one model of several: its unfinished step is dropped
+        self.tracker = None
         try:
             if self.on_model is not None:  # e.g. the advisor applying a plan to the script's model
-                self.on_model(model, opt)
-            tracker = track(model, opt, warmup=self.steps, every=1, timeline_steps=self.steps, full=True)
+                self.on_model(model, opts[0])
+            tracker = track(model, opts if len(opts) > 1 else opts[0], warmup=self.steps, every=1,
+                            timeline_steps=self.steps, full=True)
             tracker.__enter__()
         except Exception as exc:  # e.g. the script already runs memprof.track itself
             self.error = f"memprof could not start tracking {type(model).__name__}: {exc}"
@@ -212,29 +251,34 @@ class _Observer:
         self.tracker = tracker
         # An unfinished step (forwards after the last optimizer step) is no
         # training step: exit as if interrupted, which drops it.
-        self._stack.callback(tracker.__exit__, _Stop, _Stop(), None)
-        self._stack.callback(register_optimizer_step_post_hook(self._on_tracked_step).remove)
-        names = type(model).__name__, type(opt).__name__
-        log.info("tracking %s with %s from optimizer step %d", *names, self.optimizer_steps + 1)
+        self._tracking.callback(tracker.__exit__, _Stop, _Stop(), None)
+        self._tracking.callback(register_optimizer_step_post_hook(self._on_tracked_step).remove)
+        models = " and ".join(model.keys()) if model is self._root else type(model).__name__
+        optimizers = ", ".join(type(o).__name__ for _, o in self._trained)
+        log.info("tracking %s with %s from optimizer step %d", models, optimizers, self.optimizer_steps + 1)
 
     def _restore_profile(self) -> None:
         if self._profiling:
             sys.setprofile(self._previous_profile)
             self._profiling, self._previous_profile = False, None
 
-    def _find_model(self, opt: torch.optim.Optimizer) -> nn.Module:
+    def _find_model(self, opt: torch.optim.Optimizer, quiet: bool = False) -> nn.Module | None:
+        """The outermost module called so far that holds most of ``opt``'s parameters
+        (``quiet``: None if there is none, and no warning for a partial one)."""
         wanted = {id(p) for group in opt.param_groups for p in group["params"]}
         best, best_key = None, (0, -1)
         for module, seq in list(self._outermost.items()):
             held = sum(1 for p in module.parameters() if id(p) in wanted)
             if (held, seq) > best_key and held:
                 best, best_key = module, (held, seq)
+        if best is None and quiet:
+            return None
         if best is None:
             raise _Stop(
                 f"{type(opt).__name__}.step() ran, but no module called before it holds the optimizer's parameters. "
                 "memprof finds the model through nn.Module.__call__: call model(x), not model.forward(x)"
             )
-        if best_key[0] < len(wanted):
+        if best_key[0] < len(wanted) and not quiet:
             log.warning(
                 "%s holds %d of the %d tensors %s optimizes; tracking it anyway",
                 type(best).__name__, best_key[0], len(wanted), type(opt).__name__,

@@ -31,6 +31,7 @@ import inspect
 import logging
 import math
 import os
+import weakref
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
@@ -38,6 +39,7 @@ from typing import Any, Sequence
 import pandas as pd
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
@@ -195,6 +197,9 @@ class ScriptFacts:
     frozen: int = 0
     #: The model's first forward's tensor arguments: name or position -> (shape, dtype).
     batch: dict[str, tuple[list[int], str]] = field(default_factory=dict)
+    #: Other optimizers that step over parameters outside the model (a GAN's other model):
+    #: "Adam over 3.58 M parameters". The plans are for the model alone.
+    also_trains: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer, **facts: Any) -> "ScriptFacts":
@@ -229,6 +234,9 @@ class ScriptFacts:
         ]
         if self.batch:
             out.append("batch: " + ", ".join(f"{k} {tuple(shape)} {d}" for k, (shape, d) in self.batch.items()))
+        if self.also_trains:
+            out.append(f"also trains: {', '.join(self.also_trains)}, outside the model (the plans are for the model "
+                       "alone; the other's memory counts as temporaries)")
         return out
 
 
@@ -274,7 +282,10 @@ class _Watch:
         self._children: dict[str, list[str]] = {}
         for name in self._names:
             self._children.setdefault(name.rpartition(".")[0], []).append(name)
-        self._handles = [model.register_forward_pre_hook(self._on_model, with_kwargs=True)]
+        self._handles = [model.register_forward_pre_hook(self._on_model, with_kwargs=True),
+                         register_optimizer_step_post_hook(self._on_optimizer)]
+        self._optimizers = weakref.WeakSet([opt])
+        self._model = weakref.ref(model)
         self._handles += [m.register_forward_pre_hook(functools.partial(self._on_module, name))
                           for name, m in model.named_modules() if name]
 
@@ -301,6 +312,16 @@ class _Watch:
         elif not any(name.startswith(r + ".") for r in self.recomputed):
             # A module run while autograd computes gradients is recomputed: activation checkpointing.
             self.recomputed[name] = None
+
+    def _on_optimizer(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        if opt in self._optimizers:
+            return
+        self._optimizers.add(opt)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        model = self._model()
+        if params and model is not None and not any(params[0] is p for p in model.parameters()):
+            self.facts.also_trains.append(f"{type(opt).__name__} over {sum(p.numel() for p in params) / 1e6:.2f} M "
+                                          "parameters")
 
     def _autocast(self) -> None:
         if self.facts.autocast is None and torch.is_autocast_enabled("cuda"):

@@ -41,7 +41,8 @@ def check_schema(data: dict) -> None:
     assert data["best"] is None or isinstance(data["best"], str)
     assert isinstance(data["code_change"], list) and all(isinstance(c, str) for c in data["code_change"])
     assert data["script_does"] is None or set(data["script_does"]) == {
-        "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch"}
+        "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch",
+        "also_trains"}
     assert isinstance(data["skipped"], dict) and isinstance(data["failed"], dict)
     assert data["plans"] and data["plans"][0]["plan"] == (data["best"] or data["plans"][0]["plan"])
     for p in data["plans"]:
@@ -248,6 +249,8 @@ def test_the_script_watch_sees_checkpointing_accumulation_and_the_optimizer():
 
     net = Net()
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], foreach=True)
+    critic = nn.Linear(1000, 10)  # another model, trained by an optimizer of its own
+    critic_opt = torch.optim.SGD(critic.parameters(), lr=0.1)
     watch = _Watch(net, opt)
     for _ in range(2):  # two optimizer steps of three micro-batches
         with torch.no_grad():  # evaluation between steps: not a micro-batch, not the batch
@@ -255,12 +258,15 @@ def test_the_script_watch_sees_checkpointing_accumulation_and_the_optimizer():
         for _ in range(3):
             net(torch.randn(4, 8)).sum().backward()
         opt.step()
+        critic(torch.randn(2, 1000)).sum().backward()
+        critic_opt.step()
         watch.step()
     facts = watch.close()
     assert sorted(facts.checkpointed) == ["blocks.0", "blocks.1"] and facts.micro_batches == 3
     assert (facts.optimizer, facts.implementation, facts.autocast) == ("AdamW", "foreach", None)
     assert facts.parameters == {"fp32": 2 * (8 * 8 + 8) + 8 + 1} and facts.frozen == 9
     assert facts.batch == {"tokens": ([4, 8], "fp32")}
+    assert facts.also_trains == ["SGD over 0.01 M parameters"]  # 1000 x 10 + 10, once
 
 
 WRAPPED = """\

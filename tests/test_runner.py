@@ -167,6 +167,65 @@ def test_picks_the_model_the_optimizer_trains(tmp_path, clean):
     assert report.optimizer_state == {}  # plain SGD keeps no state
 
 
+def test_a_gan_is_tracked_as_both_models(tmp_path, caplog, clean):
+    """Two models with an optimizer each (a GAN: the discriminator steps first):
+    once the second optimizer steps, both models are tracked as one and a step
+    ends at the generator's step; advice (a plan for one model) keeps the first."""
+    script = write(tmp_path, """
+        import torch
+        from torch import nn
+        G = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 512))
+        D = nn.Sequential(nn.Linear(512, 256), nn.LeakyReLU(0.2), nn.Linear(256, 1))
+        opt_d = torch.optim.Adam(D.parameters(), betas=(0.5, 0.999))
+        opt_g = torch.optim.Adam(G.parameters(), betas=(0.5, 0.999))
+        bce = nn.BCEWithLogitsLoss()
+        for i in range(20):
+            real, z = torch.randn(32, 512), torch.randn(32, 64)
+            D.zero_grad()
+            fake = G(z)
+            loss_d = bce(D(real), torch.ones(32, 1)) + bce(D(fake.detach()), torch.zeros(32, 1))
+            loss_d.backward()
+            opt_d.step()
+            G.zero_grad()
+            bce(D(fake), torch.ones(32, 1)).backward()
+            opt_g.step()
+    """)
+    g, d = (64 * 256 + 256 + 256 * 512 + 512) * 4, (512 * 256 + 256 + 256 + 1) * 4
+    with caplog.at_level(logging.INFO, logger="memprof"):
+        report = observe_script(script, steps=2)
+    assert "tracking Sequential and Sequential_1 with Adam, Adam from optimizer step 2" in caplog.text
+    assert len(report.steps) == 2
+    assert report.modules.loc[["ModuleDict.Sequential", "ModuleDict.Sequential_1"], "parameters"].tolist() == [d, g]
+    assert report.peak.bytes["optimizer_state"] == 2 * (g + d) + 8 * 4 and report.peak.bytes["temporaries"] == 0
+    kept = observe_script(script, steps=2, on_model=lambda model, opt: None)
+    assert kept.modules.index[0] == "Sequential" and kept.peak.bytes["parameters"] == d
+
+
+def test_two_optimizers_over_one_model_are_both_tracked(tmp_path, caplog, clean):
+    """Muon's habit: one optimizer for the weight matrices, AdamW for the rest of the
+    same model. Both step every iteration; both states are the model's."""
+    script = write(tmp_path, """
+        import torch
+        from torch import nn
+        model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if p.ndim < 2]
+        opts = [torch.optim.SGD(matrices, lr=0.02, momentum=0.95), torch.optim.AdamW(rest, lr=3e-4)]
+        for i in range(20):
+            model(torch.randn(64, 512)).square().mean().backward()
+            for opt in opts:
+                opt.step()
+            model.zero_grad(set_to_none=True)
+    """)
+    with caplog.at_level(logging.INFO, logger="memprof"):
+        report = observe_script(script, steps=2)
+    assert "tracking Sequential with SGD, AdamW from optimizer step 2" in caplog.text
+    assert report.modules.index[0] == "Sequential" and len(report.steps) == 2
+    # SGD's momentum of the two 512x512 weights; AdamW's m and v of the two biases and a step each.
+    assert report.optimizer_state == {"momentum_buffer": 2 * MiB, "exp_avg": 2 * 512 * 4, "exp_avg_sq": 2 * 512 * 4,
+                                      "step": 2 * 4}
+
+
 ERRORS = {
     "raises": ("import torch\nraise ValueError('no data at /data')\n",
                ["ValueError: no data at /data", "line 2", "could not observe a training step"]),
