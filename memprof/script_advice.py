@@ -101,6 +101,10 @@ _FACTORIES = {torch.randn, torch.rand, torch.randint, torch.zeros, torch.ones, t
               torch.tensor, torch.as_tensor, torch.Tensor.new_tensor, torch.Tensor.new_zeros, torch.Tensor.new_ones,
               torch.Tensor.new_empty, torch.Tensor.new_full}
 _CUT_AT = _TO_DEVICE | _FACTORIES
+# Operators whose first dimensions are not all samples: a product's second operand, joined tensors.
+_NOT_SAMPLEWISE = {torch.matmul, torch.mm, torch.bmm, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.mm,
+                   torch.nn.functional.linear, torch.einsum, torch.cat, torch.concat, torch.stack,
+                   torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 
 
 class _MicroBatchCut(TorchFunctionMode):
@@ -111,15 +115,19 @@ class _MicroBatchCut(TorchFunctionMode):
     larger batch itself) that is copied to the device or made there is cut to its first
     1/k: inputs and the targets a loss outside the model compares them with
     alike. The model's forward cuts what it is given that is still whole
-    (data made on the device before the plan began). Inside the forward
-    nothing else is cut: the model's own tensors of that size (positions
-    when the sequence is as long as the batch) are not samples."""
+    (data made on the device before the plan began), and so does an operator
+    outside it that meets a whole batch and a micro-batch, sample by sample
+    (a loss of the cut output against targets a prefetcher copied during
+    the step before: timm's ``PrefetchLoader``, apex's ``data_prefetcher``).
+    Inside the forward nothing else is cut: the model's own tensors of that
+    size (positions when the sequence is as long as the batch) are not samples."""
 
     def __init__(self, k: int, batch: int | None, script_micro_batches: int = 1) -> None:
         super().__init__()
         self.k = k
         self.batch = batch
         self.sizes = {n for n in (batch, batch * script_micro_batches if batch else None) if n and n % k == 0}
+        self._parts = {n // k for n in self.sizes}
         self._in_model = 0
 
     def _cut(self, t: Any, device_only: bool = True) -> Any:
@@ -130,6 +138,8 @@ class _MicroBatchCut(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self._in_model and func not in _CUT_AT and func not in _NOT_SAMPLEWISE:
+            args, kwargs = self._match(args, kwargs)
         out = func(*args, **kwargs)
         if self._in_model or func not in _CUT_AT:  # the model's operators: as fast as can be
             return out
@@ -141,6 +151,17 @@ class _MicroBatchCut(TorchFunctionMode):
             if part is not out:
                 return part.clone()  # its own storage, of the part's size
         return out
+
+    def _match(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` with whole batches cut where they meet a micro-batch."""
+        firsts = [a.shape[0] for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 0]
+        if not (self._parts.intersection(firsts) and self.sizes.intersection(firsts)):
+            return args, kwargs
+
+        def cut(a):
+            return self._cut(a) if not isinstance(a, nn.Parameter) else a
+
+        return tuple(cut(a) for a in args), {k: cut(a) for k, a in kwargs.items()}
 
     def wrap(self, fn):
         """``fn`` (the model's forward) on 1/k of each argument still of the batch's size."""

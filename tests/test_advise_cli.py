@@ -379,18 +379,21 @@ def test_verified_plans_show_their_step_time_error():
     assert ["ckpt", "OutOfMemoryError:", "CUDA", "out", "of", "memory.", "no"] in lines
 
 
-def _advise_with_targets(tmp_path, *targets: str) -> dict:
-    """``memprof advise`` on a classifier whose loss, outside the model, compares
-    its output with targets made by the ``targets`` lines (ending in ``y = ...``)."""
+def _advise_with_targets(tmp_path, *targets: str, loss: str = "torch.nn.functional.cross_entropy(model(x), y)",
+                         before: str = "y = None") -> dict:
+    """``memprof advise`` on a classifier whose ``loss``, outside the model, compares
+    its output with targets made by the ``targets`` lines (ending in ``y = ...``)
+    in the step, after ``before`` outside the loop."""
     script = tmp_path / "targets.py"
     script.write_text("\n".join([
         "import torch",
         "model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)).cuda()",
         "opt = torch.optim.AdamW(model.parameters())",
+        before,
         "for step in range(6):",
         "    x = torch.randn(32, 64, device='cuda')",
         *(f"    {line}" for line in targets),
-        "    torch.nn.functional.cross_entropy(model(x), y).backward()",
+        f"    {loss}.backward()",
         "    opt.step(); opt.zero_grad()",
     ]) + "\n")
     out = tmp_path / "advice.json"
@@ -405,15 +408,32 @@ def test_accumulation_cuts_targets_from_a_python_list(tmp_path):
     assert {"accum2", "accum4", "accum8"} <= {p["plan"] for p in data["plans"]}
 
 
+def test_accumulation_cuts_a_batch_made_before_the_plan_began(tmp_path):
+    # The next step's targets are made before this step's optimizer step (a prefetcher's
+    # habit: timm's PrefetchLoader copies the next batch while this one trains), so the
+    # first step of a plan meets whole targets: the loss takes their first 1/K too.
+    data = _advise_with_targets(
+        tmp_path, "y_next = torch.randint(0, 4, (32,), device='cuda')",
+        loss="torch.nn.functional.cross_entropy(model(x), y if y is not None else y_next)",
+        before="y = None")
+    data_joined = _advise_with_targets(
+        tmp_path, "halves = [torch.full((16,), i, dtype=torch.long, device='cuda') for i in (0, 1)]",
+        "y = torch.cat(halves)")  # joined from two halves, not a batch memprof cuts where it is made
+    for d in (data, data_joined):
+        assert all("ckpt" in name for name in d["failed"]), d["failed"]
+        assert {"accum2", "accum4", "accum8"} <= {p["plan"] for p in d["plans"]}
+
+
 def test_accumulation_that_cannot_follow_says_so(tmp_path):
-    # The targets are put together from two halves (torch.cat, not a batch memprof
-    # cuts): a loss outside the model cannot take 1/K of the inputs against them.
+    # The loss compares flattened tensors: the cut output's 16 x 4 values against
+    # 32 x 4 one-hot targets, none of them a batch's or a micro-batch's size.
     data = _advise_with_targets(
         tmp_path, "halves = [torch.full((16,), i, dtype=torch.long, device='cuda') for i in (0, 1)]",
-        "y = torch.cat(halves)")
+        "y = torch.nn.functional.one_hot(torch.cat(halves), 4).float()",
+        loss="torch.nn.functional.mse_loss(model(x).flatten(), y.flatten())")
     assert {"accum2", "accum4", "accum8"} <= set(data["failed"])
     assert "cutting its tensors where they reach the device" in data["failed"]["accum2"]
-    assert "Expected input batch_size (16) to match target batch_size (32)" in data["failed"]["accum2"]
+    assert "The size of tensor a (64) must match the size of tensor b (128)" in data["failed"]["accum2"]
 
 
 def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
@@ -422,6 +442,8 @@ def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
     from memprof.script_advice import _MicroBatchCut
 
     seen = []
+    whole = torch.ones(8, 5, device="meta")  # a batch made before the cut began
+    weight = torch.nn.Parameter(torch.ones(8, device="meta"))
     cut = _MicroBatchCut(2, batch=8, script_micro_batches=3)
     forward = cut.wrap(lambda x, n: seen.append((tuple(x.shape), tuple(torch.arange(n, device="meta").shape))))
     with cut:
@@ -433,6 +455,10 @@ def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
         assert torch.ones(6, 8, device="meta").shape == (6, 8)  # not of the batch's size
         forward(torch.ones(8, 2, device="meta"), 8)  # given whole: cut; the model's own tensors: not
         forward(torch.ones(4, 2, device="meta"), 8)
+        part = torch.ones(4, 5, device="meta")
+        assert (part - whole).shape == (4, 5) and torch.where(whole > 0, whole, part).shape == (4, 5)
+        assert torch.cat([part, whole]).shape == (12, 5)  # joined, not sample by sample: not cut
+        assert torch.mul(part[:, :1], weight).shape == (4, 8)  # a parameter is no batch
     assert seen == [((4, 2), (8,)), ((4, 2), (8,))]
 
 
