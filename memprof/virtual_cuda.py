@@ -38,6 +38,7 @@ installs.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -71,6 +72,8 @@ _META = torch.device("meta")
 _DEVICE = torch._C.TensorBase.__dict__["device"]
 _IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
 _DATA = torch._C.TensorBase.__dict__["data"]
+# The recurrent layers' functions (torch._VF, called by nn.LSTM, nn.GRU, nn.RNN and their cells' layers).
+_RECURRENT = {"lstm", "gru", "rnn_tanh", "rnn_relu"}
 
 
 def current() -> "VirtualCUDA | None":
@@ -136,6 +139,12 @@ class _Mode(TorchFunctionMode):
             return _ON_META[name](self.vc, *args, **kwargs)
         elif name.startswith("_amp_") or name == "_foreach_non_finite_check_and_unscale_":
             return None  # GradScaler's inf checks and scale update: no inf is found, the scale stays
+        if name in _RECURRENT and args and _on_meta(args[0]) and "recurrent layers" not in self.vc.notes:
+            self.vc._note(
+                "recurrent layers",
+                "LSTM, GRU and RNN layers are simulated with PyTorch's own kernels, not cuDNN's, whose reserve "
+                "buffer for backward PyTorch's meta kernel does not size (it says 0 bytes): their activations can "
+                "differ on a GPU; measure there for them")
         if name == "dropout" and not isinstance(func, FunctionType) and args and _on_meta(args[0]):
             return _dropout(*args, **kwargs)
         if name == "cross_entropy_loss" and torch.is_autocast_enabled("cuda"):
@@ -374,6 +383,12 @@ class VirtualCUDA:
                                              lambda *args, **kwargs: None))
                 for attr, fn in self._ddp().items():
                     stack.enter_context(_replace(torch.nn.parallel.DistributedDataParallel, attr, fn))
+            # nn.DataParallel scatters its inputs and gathers their gradients in C++
+            # (torch._C._scatter, _gather), which a CPU build lacks: PyTorch's own rule in Python.
+            # torch.cuda.comm binds the names at import: imported first, so restored too.
+            for module in [importlib.import_module(m) for m in ("torch.nn.parallel.comm", "torch.cuda.comm")]:
+                stack.enter_context(_replace(module, "scatter", _scatter))
+                stack.enter_context(_replace(module, "gather", _gather))
             if self.allocator is not None:
                 stack.enter_context(_replace(torch.UntypedStorage, "resize_", _resizing(self.allocator)))
                 stack.enter_context(self.allocator)
@@ -452,6 +467,12 @@ class VirtualCUDA:
                 "needs less for activations); measure on a GPU for the compiled number"
             )
 
+    def _note(self, what: str, why: str) -> None:
+        """What runs differently on the simulated GPU: in the report's notes, and logged once."""
+        if what not in self.notes:
+            self.notes[what] = why
+            log.warning("%s: %s", what, why)
+
     def _save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         """``torch.save`` writes nothing: a simulation has no values to save, and must not replace a checkpoint."""
         self.notes.setdefault("torch.save", "skipped: nothing was written")
@@ -461,6 +482,27 @@ class VirtualCUDA:
 def _checkpoint_metadata(x: torch.Tensor) -> dict[str, Any]:
     device = _DEVICE.__get__(x)
     return {"shape": x.shape, "dtype": x.dtype, "device": _CUDA0 if device.type == "meta" else device}
+
+
+def _scatter(tensor: torch.Tensor, devices=None, chunk_sizes=None, dim: int = 0, streams=None, *, out=None):
+    """``torch.nn.parallel.comm.scatter`` as torch/csrc/cuda/comm.cpp does it: chunks
+    of ``tensor`` (sized by ``chunk_sizes`` where given), each moved to its device
+    without a copy where it is there already (a view)."""
+    if out is not None:
+        raise NotImplementedError("scatter(out=...) on the simulated GPU: pass devices instead")
+    chunks = tensor.split(list(chunk_sizes), dim) if chunk_sizes else tensor.chunk(len(devices), dim)
+    return tuple(c.to(torch.device("cuda", torch.cuda._utils._get_device_index(d)), non_blocking=True)
+                 for c, d in zip(chunks, devices))
+
+
+def _gather(tensors, dim: int = 0, destination=None, *, out=None):
+    """``torch.nn.parallel.comm.gather``: the tensors joined along ``dim`` on ``destination``
+    (the current device by default; -1: the host), as comm.cpp's gather allocates and copies."""
+    if out is not None:
+        raise NotImplementedError("gather(out=...) on the simulated GPU: pass destination instead")
+    device = torch.device("cpu") if destination == -1 else torch.device(
+        "cuda", torch.cuda.current_device() if destination is None else torch.cuda._utils._get_device_index(destination))
+    return torch.cat([t.to(device) for t in tensors], dim)
 
 
 def _foreach_support_for_meta(original: Callable) -> Callable:

@@ -257,6 +257,39 @@ def test_ddp_with_a_communication_hook_of_its_own():
     assert vc.notes["DDP communication hook"].startswith("DDP's communication hook BuiltinCommHookType.FP16_COMPRESS")
 
 
+def test_data_parallel_scatters_and_gathers_as_pytorch_does():
+    """nn.DataParallel (older scripts' multi-GPU) scatters its inputs and gathers their
+    gradients in C++; on one simulated GPU the input's chunk is a view of it and the
+    gradient comes back as one copy, as torch/csrc/cuda/comm.cpp does."""
+    import torch.cuda.comm
+
+    from memprof.simulate import SimulatedAllocator
+
+    allocator = SimulatedAllocator(H100)
+    with VirtualCUDA(H100, allocator=allocator):
+        model = nn.DataParallel(nn.Linear(512, 512, bias=False)).cuda()  # 1 MiB of weight
+        x = torch.randn(512, 512, device="cuda", requires_grad=True)  # 1 MiB
+        (chunk,) = torch.cuda.comm.scatter(x, devices=[0])
+        assert chunk.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() and chunk.shape == x.shape
+        assert torch.cuda.comm.gather([x[:256], x[256:]], destination=0).shape == (512, 512)
+        del chunk
+        assert torch.cuda.memory_allocated() == 2 * MiB
+        model(x).sum().backward()
+        assert x.grad.shape == (512, 512) and model.module.weight.grad.shape == (512, 512)
+        workspaces = 2 * cublas_workspace_bytes(H100.compute_capability)  # the step's thread's and autograd's
+        assert torch.cuda.memory_allocated() == 4 * MiB + workspaces  # and the two gradients
+    assert torch.cuda.comm.scatter is torch.nn.parallel.comm.scatter is not memprof.virtual_cuda._scatter
+
+
+def test_recurrent_layers_run_with_a_note():
+    with VirtualCUDA("h100") as vc:
+        lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True).cuda()
+        out, (h, c) = lstm(torch.randn(4, 10, 32, device="cuda"))
+        out.sum().backward()
+        assert out.shape == (4, 10, 64) and h.shape == c.shape == (2, 4, 64)
+    assert "cuDNN" in vc.notes["recurrent layers"]
+
+
 def test_foreach_optimizer_and_a_model_built_beforehand():
     model = mlp().to("meta")  # built by the caller, outside the simulation
     opt = torch.optim.AdamW(model.parameters())
