@@ -96,6 +96,7 @@ class CudaRuntime:
             "set_per_process_memory_fraction": lambda fraction, device=None: None,
             "utilization": lambda device=None: 100,
             "list_gpu_processes": lambda device=None: f"GPU:0 (simulated {gpu.name})\nno processes are running",
+            **LEGACY_TYPES,
         }
 
     @staticmethod
@@ -286,6 +287,58 @@ def _record_stream(self: torch.Tensor, stream: Any) -> None:
     return None
 
 
+class _LegacyTypeMeta(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor) and obj.is_cuda and obj.dtype == cls.dtype
+
+    def __repr__(cls) -> str:
+        return f"<class 'torch.cuda.{cls.__name__}'>"
+
+
+class _LegacyType(metaclass=_LegacyTypeMeta):
+    """``torch.cuda.FloatTensor`` and its kin, as older scripts use them
+    (``Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor``): the
+    legacy constructor (``Tensor(2, 3)``: uninitialised; ``Tensor(data)``: a
+    copy of a sequence or array) and ``isinstance``, on the simulated GPU (the
+    real ones initialise CUDA)."""
+
+    dtype: torch.dtype
+    is_cuda = True
+
+    def __new__(cls, *args: Any, device: Any = None) -> torch.Tensor:  # type: ignore[misc]
+        if len(args) == 1 and not isinstance(args[0], (int, torch.Size)):
+            data = args[0]
+            if isinstance(data, torch.Tensor):
+                return data.to("cuda", cls.dtype)
+            return torch.tensor(data, dtype=cls.dtype, device="cuda")
+        sizes = args[0] if len(args) == 1 and isinstance(args[0], torch.Size) else args
+        return torch.empty(sizes, dtype=cls.dtype, device="cuda")
+
+
+#: torch.cuda's legacy tensor types by name.
+LEGACY_TYPES: dict[str, type] = {
+    name: _LegacyTypeMeta(name, (_LegacyType,), {"dtype": dtype})
+    for name, dtype in (("FloatTensor", torch.float32), ("DoubleTensor", torch.float64), ("HalfTensor", torch.float16),
+                        ("BFloat16Tensor", torch.bfloat16), ("ByteTensor", torch.uint8), ("CharTensor", torch.int8),
+                        ("ShortTensor", torch.int16), ("IntTensor", torch.int32), ("LongTensor", torch.int64),
+                        ("BoolTensor", torch.bool))
+}
+_TYPE = torch.Tensor.type
+
+
+def _type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+    """``Tensor.type``: a simulated tensor's name is CUDA's, and a CUDA type (legacy
+    class or its name) converts to the simulated GPU."""
+    if dtype is None:
+        name = _TYPE(self)
+        return name.replace("torch.meta.", "torch.cuda.") if self.is_meta else name
+    if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+        dtype = LEGACY_TYPES.get(dtype[len("torch.cuda."):], dtype)
+    if isinstance(dtype, _LegacyTypeMeta):
+        return self.to("cuda", dtype.dtype, non_blocking=non_blocking)
+    return _TYPE(self, dtype, non_blocking, **kwargs)
+
+
 #: Tensor methods as the simulated runtime has them, set on the class: modes are
 #: per thread, and a DataLoader pins in a thread of its own.
-TENSOR_API = {"pin_memory": _pin_memory, "is_pinned": _is_pinned, "record_stream": _record_stream}
+TENSOR_API = {"pin_memory": _pin_memory, "is_pinned": _is_pinned, "record_stream": _record_stream, "type": _type}

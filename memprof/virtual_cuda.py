@@ -129,6 +129,8 @@ class _Mode(TorchFunctionMode):
             kwargs = {**kwargs, "device": _device_arg(kwargs["device"])}
         if kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
+        if name in _FROM_DATA and kwargs.get("device") == _META and not (args and _on_meta(args[0])):
+            return _from_data(func, args, kwargs)
         if name == "cuda":
             return _to_meta(*args, **kwargs)
         if name == "to":
@@ -206,6 +208,19 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
 
 def _to_meta(t: torch.Tensor, device: Any = None, non_blocking: bool = False, memory_format=torch.preserve_format):
     return torch.Tensor.to(t, "meta", memory_format=memory_format)
+
+
+# Tensors made from Python data: C++ fills a host tensor and moves it to the device with
+# the Python dispatch key excluded (tensor_new.cpp), so no dispatch mode would see it.
+_FROM_DATA = {"tensor", "as_tensor", "asarray"}
+
+
+def _from_data(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``torch.tensor(data, device="cuda")`` as a host tensor moved to the simulated GPU in
+    sight of its allocator and values, a leaf as asked."""
+    kwargs = {**kwargs, "device": "cpu"}
+    requires_grad = kwargs.pop("requires_grad", False)
+    return func(*args, **kwargs).to(_META).requires_grad_(requires_grad)
 
 
 def _on_meta(t: Any) -> bool:

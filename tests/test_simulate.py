@@ -204,6 +204,27 @@ def test_scripts_see_the_target():
     assert torch.cuda.is_available() is False or torch.cuda.get_device_name() != "RTX4090-24GB"
 
 
+def test_legacy_cuda_tensor_types():
+    """``Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor`` (PyTorch-GAN's
+    habit): constructors, ``isinstance`` and ``.type(...)`` on the simulated GPU."""
+    import numpy as np
+
+    original = torch.cuda.FloatTensor
+    with VirtualCUDA("h100"):
+        T = torch.cuda.FloatTensor
+        empty = T(4, 2)
+        assert empty.is_cuda and empty.dtype == torch.float32 and empty.shape == (4, 2) and isinstance(empty, T)
+        assert T(np.ones((2, 3))).tolist() == [[1.0] * 3] * 2 and T(torch.Size([5])).shape == (5,)
+        moved = torch.arange(3).type(T)
+        assert moved.is_cuda and moved.dtype == torch.float32 and moved.tolist() == [0.0, 1.0, 2.0]
+        assert moved.type() == "torch.cuda.FloatTensor" and torch.ones(2).type() == "torch.FloatTensor"
+        ids = torch.ones(3).type("torch.cuda.LongTensor")
+        assert ids.dtype == torch.int64 and isinstance(ids, torch.cuda.LongTensor) and not isinstance(ids, T)
+        assert not isinstance(torch.ones(3), T) and torch.cuda.LongTensor([1, 2]).tolist() == [1, 2]
+        assert torch.ones(2).type(torch.float16).dtype == torch.float16  # the rest as before
+    assert torch.cuda.FloatTensor is original and torch.Tensor.type is torch._C.TensorBase.type
+
+
 def test_a_storage_resized_in_place_frees_and_takes_its_block():
     """FSDP2 frees a layer's gathered parameters with ``storage.resize_(0)`` and makes them
     again with ``resize_(nbytes)``, below any dispatch mode: the simulated allocator follows."""

@@ -25,6 +25,21 @@ def test_small_tensors_keep_their_values_through_ops_views_and_in_place_updates(
         assert host.copy_(torch.arange(3, device="cuda")).tolist() == [0, 1, 2]  # a copy to the host
 
 
+def test_data_made_on_the_device_keeps_its_values_and_takes_its_memory():
+    """``torch.tensor(data, device="cuda")``: C++ fills a host tensor and moves it with the
+    dispatch modes out of sight; the simulated GPU moves it in their sight instead."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    allocator = SimulatedAllocator(get_gpu("h100"))
+    with VirtualCUDA("h100", allocator=allocator):
+        labels = torch.tensor([3, 1, 2], device="cuda")
+        assert labels.is_meta and labels.tolist() == [3, 1, 2] and torch.as_tensor([4], device="cuda").item() == 4
+        weight = torch.tensor([[0.5] * 256] * 1024, device="cuda", requires_grad=True)  # 1 MiB
+        assert weight.is_leaf and weight.requires_grad
+        assert torch.cuda.memory_allocated() == 512 + (1 << 20)  # the labels take a 512-byte block
+
+
 def test_writes_that_cannot_be_followed_drop_the_values():
     with VirtualCUDA("h200") as gpu:
         small = torch.zeros(4, device="cuda")
