@@ -7,7 +7,8 @@
 The scripts in ``benchmarks/scripts/`` are written the way public training code
 is (nanoGPT, Hugging Face Trainer, Lightning, torchvision's reference trainer,
 PEFT, a plain loop around a grouped-query decoder, a script that asks the CUDA
-runtime everything, Accelerate without the Trainer, DDP and FSDP2 written for torchrun); none of them knows memprof. Each runs unmodified from its
+runtime everything, Accelerate without the Trainer, DDP and FSDP2 written for torchrun,
+a WGAN-GP in PyTorch-GAN's style, nn.DataParallel with a side-stream data prefetcher); none of them knows memprof. Each runs unmodified from its
 own directory, as its users run it. ``measure`` and ``simulate`` write one
 report per entry (``NAME.json``) and a log (``NAME.log``); ``compare`` writes
 ``corpus.md`` and ``corpus.json``: the last tracked step's peak allocated and
@@ -46,6 +47,8 @@ CORPUS: dict[str, tuple[str, str, list[str], bool]] = {
     "accelerate-clm": (".", "accelerate_clm.py", [], False),
     "ddp-classifier": (".", "ddp_classifier.py", [], False),
     "fsdp2-llama": (".", "fsdp2_llama.py", ["--activation-checkpointing"], False),
+    "wgan-gp": (".", "wgan_gp.py", [], False),
+    "prefetch-classifier": (".", "prefetch_classifier.py", [], False),
 }
 
 

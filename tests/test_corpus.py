@@ -42,6 +42,10 @@ SMALL = {
                           "--samples", "256"],
     "fsdp2_llama.py": ["--dim", "64", "--ffn-dim", "176", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
                        "--vocab-size", "1000", "--seq-len", "32", "--local-batch-size", "4"],
+    "wgan_gp.py": ["--img-size", "8", "--channels", "1", "--hidden", "64", "--latent-dim", "16", "--batch-size", "8",
+                   "--n-critic", "2"],
+    "prefetch_classifier.py": ["--batch-size", "8", "--image-size", "32", "--width", "8", "--num-classes", "10",
+                               "--samples", "256"],
 }
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
@@ -115,6 +119,20 @@ def test_a_torchrun_script_simulates_one_rank_of_world_size(tmp_path):
         assert report["optimizer_state"]["exp_avg"] == sum(-(-prod(s) * 4 // n // 512) * 512 for s in shapes)
 
 
+def test_a_gan_tracks_both_models(tmp_path):
+    """The critic steps first, the generator every second iteration: once the generator's
+    optimizer has stepped, both models are tracked as one, each parameter in 512-byte blocks."""
+    report = _run("track", "wgan-gp", tmp_path, "--steps", "2")[0]
+    rows = {r["module"]: r for r in report["modules"]}
+    blocks = lambda *numels: sum(-(-n * 4 // 512) * 512 for n in numels)  # noqa: E731
+    # Linear 16->8, then 8->16, 16->32, 32->64 each with a BatchNorm1d, then 64->64 (8 x 8 pixels).
+    generator = blocks(128, 8, 128, 16, 16, 16, 512, 32, 32, 32, 2048, 64, 64, 64, 4096, 64)
+    critic = blocks(64 * 32, 32, 32 * 16, 16, 16, 1)
+    assert rows["ModuleDict.Generator"]["parameters"] == generator
+    assert rows["ModuleDict.Discriminator"]["parameters"] == critic
+    assert report["optimizer_state"]["exp_avg"] == generator + critic
+
+
 def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
     report, stderr = _run("track", "lightning", tmp_path, "--steps", "2", extra=("--strategy", "ddp"))
     assert report["modules"][0]["module"] == "DistributedDataParallel" and len(report["steps"]) == 2
@@ -122,7 +140,8 @@ def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["nanogpt-fp16-scaler", "gqa-fp32", "hf-trainer", "lightning", "vision-reference",
-                                  "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier", "fsdp2-llama"])
+                                  "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier", "fsdp2-llama",
+                                  "prefetch-classifier"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -135,6 +154,8 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert not any(p.startswith(("bf16", "fp16")) for p in plans) and "bf16" in advice["skipped"]
     if does["checkpointed"]:
         assert "ckpt" not in plans and advice["skipped"]["ckpt"] == "the script already checkpoints the repeated blocks"
+    if name == "prefetch-classifier":  # the prefetched batch, made before a plan begins, is cut too
+        assert {"accum2", "accum4", "accum8"} <= plans
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
         assert "accum2" in plans and "torch.distributed" in advice["baseline"]["meta"]["simulation_notes"]
 
@@ -149,6 +170,8 @@ WHAT_IT_DOES = {
     "ddp-classifier": {"autocast": "bf16", "micro_batches": 1, "batch": {"x": [[8, 3, 32, 32], "fp32"]}},
     # FSDP2's MixedPrecisionPolicy gathers bf16 parameters; checkpoint_wrapper's layers are recomputed
     "fsdp2-llama": {"autocast": None, "forward_dtype": "bf16", "checkpointed": ["model.layers.0", "model.layers.1"]},
+    # DataParallel's forward(*inputs) named by the wrapped Sequential's forward(input); the SGD state of one model
+    "prefetch-classifier": {"autocast": "fp16", "batch": {"input": [[8, 3, 32, 32], "fp32"]}, "also_trains": []},
 }
 
 
