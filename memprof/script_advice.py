@@ -101,10 +101,12 @@ _FACTORIES = {torch.randn, torch.rand, torch.randint, torch.zeros, torch.ones, t
               torch.tensor, torch.as_tensor, torch.Tensor.new_tensor, torch.Tensor.new_zeros, torch.Tensor.new_ones,
               torch.Tensor.new_empty, torch.Tensor.new_full}
 _CUT_AT = _TO_DEVICE | _FACTORIES
-# Operators whose first dimensions are not all samples: a product's second operand, joined tensors.
-_NOT_SAMPLEWISE = {torch.matmul, torch.mm, torch.bmm, torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.mm,
-                   torch.nn.functional.linear, torch.einsum, torch.cat, torch.concat, torch.stack,
-                   torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+# Where a script compares samples with their targets: the losses of torch.nn.functional (what
+# nn.CrossEntropyLoss and its kin call) and equality (accuracy). Not any operator: a second model
+# (a GAN's generator) runs outside the model too, and its batch norm's running mean may have
+# as many elements as the batch has samples.
+_SAMPLEWISE = {name for name in dir(torch.nn.functional) if name.endswith(("_loss", "cross_entropy", "_with_logits"))} | {
+    "kl_div", "eq", "ne", "__eq__", "__ne__"}
 
 
 class _MicroBatchCut(TorchFunctionMode):
@@ -115,10 +117,10 @@ class _MicroBatchCut(TorchFunctionMode):
     larger batch itself) that is copied to the device or made there is cut to its first
     1/k: inputs and the targets a loss outside the model compares them with
     alike. The model's forward cuts what it is given that is still whole
-    (data made on the device before the plan began), and so does an operator
-    outside it that meets a whole batch and a micro-batch, sample by sample
-    (a loss of the cut output against targets a prefetcher copied during
-    the step before: timm's ``PrefetchLoader``, apex's ``data_prefetcher``).
+    (data made on the device before the plan began), and so does a loss or
+    an equality outside it that meets a whole batch and a micro-batch (the
+    cut output against targets a prefetcher copied during the step before:
+    timm's ``PrefetchLoader``, apex's ``data_prefetcher``).
     Inside the forward nothing else is cut: the model's own tensors of that
     size (positions when the sequence is as long as the batch) are not samples."""
 
@@ -138,7 +140,7 @@ class _MicroBatchCut(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self._in_model and func not in _CUT_AT and func not in _NOT_SAMPLEWISE:
+        if not self._in_model and getattr(func, "__name__", "") in _SAMPLEWISE:
             args, kwargs = self._match(args, kwargs)
         out = func(*args, **kwargs)
         if self._in_model or func not in _CUT_AT:  # the model's operators: as fast as can be
@@ -153,7 +155,7 @@ class _MicroBatchCut(TorchFunctionMode):
         return out
 
     def _match(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``args`` and ``kwargs`` with whole batches cut where they meet a micro-batch."""
+        """``args`` and ``kwargs`` with whole batches cut where they meet a micro-batch (not parameters)."""
         firsts = [a.shape[0] for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 0]
         if not (self._parts.intersection(firsts) and self.sizes.intersection(firsts)):
             return args, kwargs

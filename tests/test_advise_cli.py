@@ -444,6 +444,7 @@ def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
     seen = []
     whole = torch.ones(8, 5, device="meta")  # a batch made before the cut began
     weight = torch.nn.Parameter(torch.ones(8, device="meta"))
+    stats = torch.ones(8, device="meta")  # a second model's batch norm, as many channels as samples
     cut = _MicroBatchCut(2, batch=8, script_micro_batches=3)
     forward = cut.wrap(lambda x, n: seen.append((tuple(x.shape), tuple(torch.arange(n, device="meta").shape))))
     with cut:
@@ -456,9 +457,11 @@ def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
         forward(torch.ones(8, 2, device="meta"), 8)  # given whole: cut; the model's own tensors: not
         forward(torch.ones(4, 2, device="meta"), 8)
         part = torch.ones(4, 5, device="meta")
-        assert (part - whole).shape == (4, 5) and torch.where(whole > 0, whole, part).shape == (4, 5)
-        assert torch.cat([part, whole]).shape == (12, 5)  # joined, not sample by sample: not cut
-        assert torch.mul(part[:, :1], weight).shape == (4, 8)  # a parameter is no batch
+        assert torch.nn.functional.mse_loss(part, whole, reduction="none").shape == (4, 5)  # a loss: cut
+        assert (part.argmax(1) == whole[:, 0]).shape == (4,)  # accuracy: cut
+        assert torch.nn.functional.mse_loss(part[:, 0], weight[:4]).shape == ()
+        assert torch.cat([part, whole]).shape == (12, 5)  # joined, not compared: not cut
+        assert torch.nn.functional.batch_norm(torch.ones(4, 8, device="meta"), stats, stats).shape == (4, 8)
     assert seen == [((4, 2), (8,)), ((4, 2), (8,))]
 
 
