@@ -8,7 +8,7 @@ The scripts in ``benchmarks/scripts/`` are written the way public training code
 is (nanoGPT, Hugging Face Trainer, Lightning, torchvision's reference trainer,
 PEFT, a plain loop around a grouped-query decoder, a script that asks the CUDA
 runtime everything, Accelerate without the Trainer, DDP and FSDP2 written for torchrun,
-a WGAN-GP in PyTorch-GAN's style, nn.DataParallel with a side-stream data prefetcher); none of them knows memprof. Each runs unmodified from its
+a WGAN-GP in PyTorch-GAN's style, pytorch/examples' DCGAN, nn.DataParallel with a side-stream data prefetcher); none of them knows memprof. Each runs unmodified from its
 own directory, as its users run it. ``measure`` and ``simulate`` write one
 report per entry (``NAME.json``) and a log (``NAME.log``); ``compare`` writes
 ``corpus.md`` and ``corpus.json``: the last tracked step's peak allocated and
@@ -48,6 +48,7 @@ CORPUS: dict[str, tuple[str, str, list[str], bool]] = {
     "ddp-classifier": (".", "ddp_classifier.py", [], False),
     "fsdp2-llama": (".", "fsdp2_llama.py", ["--activation-checkpointing"], False),
     "wgan-gp": (".", "wgan_gp.py", [], False),
+    "dcgan": (".", "dcgan.py", ["--batchSize", "256"], False),
     "prefetch-classifier": (".", "prefetch_classifier.py", [], False),
 }
 

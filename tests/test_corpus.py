@@ -44,6 +44,8 @@ SMALL = {
                        "--vocab-size", "1000", "--seq-len", "32", "--local-batch-size", "4"],
     "wgan_gp.py": ["--img-size", "8", "--channels", "1", "--hidden", "64", "--latent-dim", "16", "--batch-size", "8",
                    "--n-critic", "2"],
+    # 16 samples, as many as the generator's third batch norm has channels
+    "dcgan.py": ["--batchSize", "16", "--ngf", "8", "--ndf", "8", "--batches", "8"],
     "prefetch_classifier.py": ["--batch-size", "8", "--image-size", "32", "--width", "8", "--num-classes", "10",
                                "--samples", "256"],
 }
@@ -141,7 +143,7 @@ def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
 
 @pytest.mark.parametrize("name", ["nanogpt-fp16-scaler", "gqa-fp32", "hf-trainer", "lightning", "vision-reference",
                                   "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier", "fsdp2-llama",
-                                  "prefetch-classifier"])
+                                  "prefetch-classifier", "dcgan"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -154,7 +156,7 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert not any(p.startswith(("bf16", "fp16")) for p in plans) and "bf16" in advice["skipped"]
     if does["checkpointed"]:
         assert "ckpt" not in plans and advice["skipped"]["ckpt"] == "the script already checkpoints the repeated blocks"
-    if name == "prefetch-classifier":  # the prefetched batch, made before a plan begins, is cut too
+    if name in ("prefetch-classifier", "dcgan"):  # a prefetched batch is cut; a generator's batch norm is not
         assert {"accum2", "accum4", "accum8"} <= plans
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
         assert "accum2" in plans and "torch.distributed" in advice["baseline"]["meta"]["simulation_notes"]
@@ -172,6 +174,8 @@ WHAT_IT_DOES = {
     "fsdp2-llama": {"autocast": None, "forward_dtype": "bf16", "checkpointed": ["model.layers.0", "model.layers.1"]},
     # DataParallel's forward(*inputs) named by the wrapped Sequential's forward(input); the SGD state of one model
     "prefetch-classifier": {"autocast": "fp16", "batch": {"input": [[8, 3, 32, 32], "fp32"]}, "also_trains": []},
+    # the discriminator steps first: its model is advised; the generator's 146,032 parameters are named
+    "dcgan": {"optimizer": "Adam", "also_trains": ["Adam over 0.15 M parameters"]},
 }
 
 
