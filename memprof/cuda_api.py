@@ -306,6 +306,7 @@ class _LegacyType(metaclass=_LegacyTypeMeta):
     is_cuda = True
 
     def __new__(cls, *args: Any, device: Any = None) -> torch.Tensor:  # type: ignore[misc]
+        # ``device``: an index of the GPUs the script sees; all of them are the simulated one.
         if len(args) == 1 and not isinstance(args[0], (int, torch.Size)):
             data = args[0]
             if isinstance(data, torch.Tensor):

@@ -105,8 +105,8 @@ _CUT_AT = _TO_DEVICE | _FACTORIES
 # nn.CrossEntropyLoss and its kin call) and equality (accuracy). Not any operator: a second model
 # (a GAN's generator) runs outside the model too, and its batch norm's running mean may have
 # as many elements as the batch has samples.
-_SAMPLEWISE = {name for name in dir(torch.nn.functional) if name.endswith(("_loss", "cross_entropy", "_with_logits"))} | {
-    "kl_div", "eq", "ne", "__eq__", "__ne__"}
+_SAMPLEWISE = {"kl_div", "eq", "ne", "__eq__", "__ne__"} | {
+    name for name in dir(torch.nn.functional) if name.endswith(("_loss", "cross_entropy", "_with_logits"))}
 
 
 class _MicroBatchCut(TorchFunctionMode):
