@@ -29,22 +29,27 @@ def _shape(module: nn.Module):
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks: children of ModuleLists/Sequentials whose
     children are all the same block (transformer layers, ResNet bottlenecks,
-    ``nn.Sequential(conv, norm, act)`` stacks) and hold parameters, or, in a
-    container of mixed children (``nn.Sequential(stem, *blocks, head)``),
-    the children of one composite block class that occurs at least twice; of
-    the block with the most such instances."""
+    ``nn.Sequential(conv, norm, act)`` stacks) and hold parameters, or, among
+    mixed children (``nn.Sequential(stem, *blocks, head)``, or a model's own
+    attributes: a UNet's ``self.down1 = Block(64, 128)`` ...), the children of
+    one composite block class that occurs at least twice; of the block with
+    the most such instances."""
     candidates: list[tuple[str, nn.Module, Any]] = []
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        children = list(module.named_children())
+        if len(children) < 2:
             continue
         prefix = f"{name}." if name else ""
-        shapes = Counter(_shape(c) for c in module)
+        shapes = Counter(_shape(c) for _, c in children)
+        container = isinstance(module, (nn.ModuleList, nn.Sequential))
         # A ModuleList has no forward of its own to checkpoint.
-        if len(shapes) == 1 and not isinstance(module[0], nn.ModuleList) and any(True for _ in module[0].parameters()):
-            candidates += [(f"{prefix}{i}", c, _shape(c)) for i, c in module.named_children()]
-        elif len(shapes) > 1:
+        first = children[0][1]
+        if (container and len(shapes) == 1 and not isinstance(first, nn.ModuleList)
+                and any(True for _ in first.parameters())):
+            candidates += [(f"{prefix}{i}", c, _shape(c)) for i, c in children]
+        elif len(shapes) > 1 or not container:
             # Only blocks made of modules: a checkpointed single layer saves its input anyway.
-            candidates += [(f"{prefix}{i}", c, _shape(c)) for i, c in module.named_children()
+            candidates += [(f"{prefix}{i}", c, _shape(c)) for i, c in children
                            if shapes[_shape(c)] >= 2 and not isinstance(c, nn.ModuleList)
                            and any(True for _ in c.children()) and any(True for _ in c.parameters())]
     if not candidates:

@@ -180,6 +180,29 @@ def test_find_blocks_between_a_stem_and_a_head():
     assert find_blocks(nn.Sequential(nn.Linear(4, 8), Block(), nn.Linear(8, 8))) == []  # one block: nothing repeats
 
 
+def test_find_blocks_held_as_attributes():
+    # A hand-written UNet keeps its blocks as attributes, of one class but not one size:
+    # each is a block to checkpoint (torch.utils.checkpoint takes any module).
+    class Block(nn.Module):
+        def __init__(self, cin, cout):
+            super().__init__()
+            self.norm, self.conv = nn.GroupNorm(4, cin), nn.Conv2d(cin, cout, 3, padding=1)
+
+        def forward(self, x):
+            return self.conv(self.norm(x))
+
+    class UNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inc = nn.Conv2d(3, 8, 3, padding=1)
+            self.down, self.mid, self.up = Block(8, 16), Block(16, 16), Block(32, 8)
+            self.out = nn.Conv2d(8, 3, 1)
+
+    model = UNet()
+    assert [n for n, _ in find_blocks(model)] == ["down", "mid", "up"]
+    assert find_blocks(model)[2][1] is model.up
+
+
 def test_find_blocks_none_in_plain_mlp():
     # Linear, ReLU, Linear: not one class, and ReLU-only lists have no parameters.
     assert find_blocks(mlp()) == []
