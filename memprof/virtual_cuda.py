@@ -141,7 +141,7 @@ class _Mode(TorchFunctionMode):
             return _ON_META[name](self.vc, *args, **kwargs)
         elif name.startswith("_amp_") or name == "_foreach_non_finite_check_and_unscale_":
             return None  # GradScaler's inf checks and scale update: no inf is found, the scale stays
-        if name in _RECURRENT and args and _on_meta(args[0]) and "recurrent layers" not in self.vc.notes:
+        if name in _RECURRENT and args and _on_meta(args[0]):
             self.vc._note(
                 "recurrent layers",
                 "LSTM, GRU and RNN layers are simulated with PyTorch's own kernels, not cuDNN's, whose reserve "
@@ -220,7 +220,7 @@ def _from_data(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
     sight of its allocator and values, a leaf as asked."""
     kwargs = {**kwargs, "device": "cpu"}
     requires_grad = kwargs.pop("requires_grad", False)
-    return func(*args, **kwargs).to(_META).requires_grad_(requires_grad)
+    return _to_meta(func(*args, **kwargs)).requires_grad_(requires_grad)
 
 
 def _on_meta(t: Any) -> bool:
@@ -475,18 +475,16 @@ class VirtualCUDA:
         return model
 
     def _note_compile(self) -> None:
-        if "torch.compile" not in self.notes:
-            self.notes["torch.compile"] = "simulated eagerly: the report shows eager-mode memory"
-            log.warning(
-                "torch.compile is simulated eagerly: the prediction is eager-mode memory (compiled code often "
-                "needs less for activations); measure on a GPU for the compiled number"
-            )
+        self._note("torch.compile", "simulated eagerly: the report shows eager-mode memory",
+                   "torch.compile is simulated eagerly: the prediction is eager-mode memory (compiled code often "
+                   "needs less for activations); measure on a GPU for the compiled number")
 
-    def _note(self, what: str, why: str) -> None:
-        """What runs differently on the simulated GPU: in the report's notes, and logged once."""
+    def _note(self, what: str, why: str, message: str | None = None) -> None:
+        """What runs differently on the simulated GPU: ``why`` in the report's notes under
+        ``what``, and logged once (``message``, else both)."""
         if what not in self.notes:
             self.notes[what] = why
-            log.warning("%s: %s", what, why)
+            log.warning("%s", message or f"{what}: {why}")
 
     def _save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         """``torch.save`` writes nothing: a simulation has no values to save, and must not replace a checkpoint."""
