@@ -92,7 +92,7 @@ class Values(TorchDispatchMode):
         storage = self._shadows.get(weakref.ref(t.untyped_storage()))
         if storage is None:
             return None
-        return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.size(), t.stride())
+        return torch.empty(0, dtype=t.dtype, device=_CPU).set_(storage, t.storage_offset(), t.size(), t.stride())
 
     # -- following operators -----------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -116,7 +116,7 @@ class Values(TorchDispatchMode):
             # Every element of the target written from known values (an empty tensor filled, copied
             # into): its old values do not matter, so it is known after.
             out = func(*args, **kwargs)
-            host = torch.zeros(args[0].shape, dtype=args[0].dtype)
+            host = torch.zeros(args[0].shape, dtype=args[0].dtype, device=_CPU)
             self._keep(out, func(host, *map_leaves(self._cpu, args[1:]), **_host(map_leaves(self._cpu, kwargs))))
             return out
         if torch.Tag.dynamic_output_shape in func.tags:
@@ -163,8 +163,9 @@ class Values(TorchDispatchMode):
             storage = o.untyped_storage()
             if storage.nbytes() > self.limit:
                 continue
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8).untyped_storage()
-            view = torch.empty(0, dtype=o.dtype).set_(host, o.storage_offset(), o.size(), o.stride())
+            # On the host whatever the default device (a script's set_default_device("cuda") is meta here).
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device=_CPU).untyped_storage()
+            view = torch.empty(0, dtype=o.dtype, device=_CPU).set_(host, o.storage_offset(), o.size(), o.stride())
             if torch._debug_has_internal_overlap(view) == 1:
                 continue  # elements share memory (an expanded layout): copy_ refuses it, as PyTorch's own check says
             view.copy_(r)

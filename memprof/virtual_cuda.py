@@ -129,8 +129,11 @@ class _Mode(TorchFunctionMode):
             kwargs = {**kwargs, "device": _device_arg(kwargs["device"])}
         if kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
-        if name in _FROM_DATA and kwargs.get("device") == _META and not (args and _on_meta(args[0])):
-            return _from_data(func, args, kwargs)
+        if name in _FROM_DATA and not (args and _on_meta(args[0])):
+            # No device given: the default one, which PyTorch's DeviceContext (below this mode) adds.
+            device = kwargs.get("device") or _device_arg(torch.get_default_device())
+            if device == _META:
+                return _from_data(func, args, {**kwargs, "device": device})
         if name == "cuda":
             return _to_meta(*args, **kwargs)
         if name == "to":
@@ -248,7 +251,7 @@ def _host_copy(vc: "VirtualCUDA", t: torch.Tensor, *args: Any, **kwargs: Any) ->
     if known is not None:
         return known.clone()
     if t.numel() * t.element_size() <= _MADE_UP_LIMIT:
-        return torch.ones(t.shape, dtype=t.dtype)
+        return torch.ones(t.shape, dtype=t.dtype, device="cpu")
     return t
 
 

@@ -40,6 +40,20 @@ def test_data_made_on_the_device_keeps_its_values_and_takes_its_memory():
         assert torch.cuda.memory_allocated() == 512 + (1 << 20)  # the labels take a 512-byte block
 
 
+def test_values_with_cuda_as_the_default_device():
+    """``torch.set_default_device("cuda")`` (the simulated GPU's meta): the values' host
+    copies stay on the host, and data made without a device argument keeps its values."""
+    with VirtualCUDA("h100") as gpu:
+        torch.set_default_device("cuda")
+        try:
+            labels, steps = torch.tensor([3, 1]), torch.arange(3)
+            assert labels.is_meta and labels.tolist() == [3, 1] and steps.tolist() == [0, 1, 2]
+            big = torch.empty(LIMIT, dtype=torch.uint8)  # unknown: the placeholder ones, on the host
+            assert gpu.values.shadow(big) is None and big[:2].tolist() == [1, 1]
+        finally:
+            torch.set_default_device("cpu")
+
+
 def test_writes_that_cannot_be_followed_drop_the_values():
     with VirtualCUDA("h200") as gpu:
         small = torch.zeros(4, device="cuda")
