@@ -234,6 +234,9 @@ class Tracker:
         # weak references to each parameter and to its state tensors.
         self._recorded_state: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple]] = weakref.WeakKeyDictionary()
         self._primary: weakref.ref | None = self._given[-1] if self._given else None
+        # Optimizers found automatically, in the order of their first steps, until one steps
+        # again: the last of that cycle ends a step from then on (Muon beside AdamW, a GAN's two).
+        self._cycle: list[weakref.ref] | None = [] if self._given is None else None
 
         self._handles: list = []  # removed on exit
         # Classes whose zero_grad is wrapped, (class, its own zero_grad or None, the wrapper): restored on exit.
@@ -1115,6 +1118,11 @@ class Tracker:
             return
         if self._profiled:
             self._record_optimizer_state(opt, changed=True)  # Adam creates its state at the first step
+        if self._cycle is not None:
+            if any(ref() is opt for ref in self._cycle):
+                self._primary, self._cycle = self._cycle[-1], None
+            else:
+                self._cycle.append(weakref.ref(opt))
         if self._primary is not None and self._primary() is opt:
             self._end_step()
             self.step += 1
@@ -1282,7 +1290,10 @@ def track(
     an optimizer each (a GAN's generator and discriminator) tracks them as one:
     ``track(nn.ModuleDict({"G": netG, "D": netD}), [opt_d, opt_g])``, each
     model called as the script calls it, and a step ends when the last
-    optimizer of the list steps. ``warmup`` steps are profiled, then every
+    optimizer of the list steps. Several optimizers found automatically (Muon
+    beside AdamW, or the list left out) end a step at the last of them to step
+    in an iteration, learnt in the first: the one stepping before the first
+    steps again. ``warmup`` steps are profiled, then every
     ``every``-th step (``every=1``: all; ``0``: none after warmup); the other
     steps cost one read of the allocator's counters.
 

@@ -320,6 +320,53 @@ def test_two_models_with_an_optimizer_each_are_tracked_as_one():
         memprof.track(both, [])
 
 
+def test_several_optimizers_found_automatically_end_a_step_at_the_last():
+    """Left out, the optimizers are found at their first steps; once the first
+    steps again, the one before it (the last of an iteration) ends a step: a
+    GAN's discriminator and generator, and one model with Muon's split (SGD
+    for the matrices beside AdamW for the biases)."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 512))
+    D = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 1))
+    opt_d, opt_g = torch.optim.Adam(D.parameters()), torch.optim.Adam(G.parameters())
+    both = nn.ModuleDict({"G": G, "D": D})
+    with memprof.track(both, warmup=4) as prof:
+        for _ in range(4):
+            D.zero_grad()
+            fake = G(torch.randn(32, 64))
+            (D(fake.detach()).mean() - D(torch.randn(32, 512)).mean()).backward()
+            opt_d.step()
+            G.zero_grad()
+            (-D(fake).mean()).backward()
+            opt_g.step()
+    r = prof.report()
+    # Step 0 ends at the discriminator's first step (the cycle is not known yet), step 1 at the
+    # generator's second; then each step is an iteration: the generator's backward, its step last.
+    assert len(r.steps) == 4
+    for step in (2, 3):
+        phases = r.timeline[r.timeline.step == step].phase.tolist()
+        assert phases[-1] == "optimizer step" and phases.index("optimizer step") < phases.index("backward ModuleDict.G.0")
+        assert phases.index("forward ModuleDict.G") < phases.index("forward ModuleDict.D")
+
+    model = mlp(bias=True)
+    matrices, biases = [p for p in model.parameters() if p.ndim == 2], [p for p in model.parameters() if p.ndim == 1]
+    sgd, adamw = torch.optim.SGD(matrices, lr=0.1, momentum=0.9), torch.optim.AdamW(biases)
+    with memprof.track(model, warmup=4) as prof:
+        for _ in range(4):
+            model(torch.randn(512, 512)).sum().backward()
+            sgd.step()
+            adamw.step()
+            model.zero_grad()
+    r = prof.report()
+    assert len(r.steps) == 4
+    # After the cycle was learnt a step is one iteration: one forward, its backward, both optimizers.
+    phases = r.timeline[r.timeline.step == 3].phase.tolist()
+    assert phases[-1] == "optimizer step" and phases.count("forward Sequential.0") == 1
+    assert phases.index("after backward") < phases.index("optimizer step")
+    biases_bytes = sum(p.numel() for p in biases) * 4
+    assert r.peak.bytes["optimizer_state"] == 2 * MiB + 2 * biases_bytes + 4 * len(biases)
+
+
 def test_chains_to_user_saved_tensor_hooks():
     """A user's own saved-tensors hooks keep working under track, and what they
     keep off the device is not counted as activations."""
