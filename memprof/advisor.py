@@ -878,7 +878,8 @@ def verify(
 
     By default the baseline and the ``top`` fastest plans that fit. Columns:
     predicted and measured peak allocated/reserved and step time (median of
-    ``steps``), and the measured saving against the measured baseline. A plan
+    ``steps``; ``measured_spread``: the slowest less the fastest of them, over
+    the median), and the measured saving against the measured baseline. A plan
     that runs out of memory is reported as such.
 
     The plans run one after another in this process, each on a fresh build
@@ -913,6 +914,7 @@ def verify(
                 "measured_peak_reserved": measured["peak_reserved"],
                 "predicted_seconds": float(pred["seconds"]),
                 "measured_seconds": measured["seconds"],
+                "measured_spread": measured["spread"],
                 "fits_budget": measured["peak_reserved"] <= advice.budget,
             }
         )
@@ -942,8 +944,10 @@ def _measure(make_workload, plan: PlanFactory, steps: int, warmup: int) -> dict:
 
 def measure_steps(workload: Workload, steps: int, warmup: int, before: Callable[[], None] | None = None) -> dict:
     """Peak allocated and reserved CUDA memory over ``steps`` steps after
-    ``warmup`` ones, and the median step time; ``before`` runs once the
-    warm-up is done (a barrier, with several ranks)."""
+    ``warmup`` ones, the median step time and the steps' spread (slowest
+    less fastest, over the median: where the host bounds a step it moves by
+    itself); ``before`` runs once the warm-up is done (a barrier, with
+    several ranks)."""
     for _ in range(warmup):
         workload.step()
     torch.cuda.synchronize()
@@ -960,4 +964,10 @@ def measure_steps(workload: Workload, steps: int, warmup: int, before: Callable[
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "peak_reserved": torch.cuda.max_memory_reserved(),
         "seconds": statistics.median(times),
+        "spread": _spread(times),
     }
+
+
+def _spread(times: Sequence[float]) -> float:
+    """How much measured step times move by themselves: (slowest - fastest) / median."""
+    return (max(times) - min(times)) / statistics.median(times) if times else float("nan")

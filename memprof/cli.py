@@ -234,16 +234,20 @@ def _verified_table(df: pd.DataFrame) -> Table:
 
     t = Table(title="measured on this GPU", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
               show_edge=False)
+    # The measured steps' own spread (slowest less fastest, over their median) next to the
+    # error: a host-bound step moves by itself from run to run, and an error within it is noise.
     for col in ("plan", "reserved\npredicted", "reserved\nmeasured", "step\npredicted", "step\nmeasured",
-                "step time\nerror", "fits"):
+                "step time\nerror", "steps'\nspread", "fits"):
         t.add_column(col, justify="left" if col == "plan" else "right", no_wrap=True)
     for name, r in df.iterrows():
         if isinstance(r.get("error"), str):
-            t.add_row(str(name), r["error"], "", "", "", "", "no")
+            t.add_row(str(name), r["error"], "", "", "", "", "", "no")
             continue
+        spread = r.get("measured_spread")
         t.add_row(str(name), fmt_bytes(r["predicted_peak_reserved"]), fmt_bytes(r["measured_peak_reserved"]),
                   f"{1e3 * r['predicted_seconds']:.1f} ms", f"{1e3 * r['measured_seconds']:.1f} ms",
                   f"{100 * (r['predicted_seconds'] / r['measured_seconds'] - 1):+.0f} %",
+                  "" if spread is None or pd.isna(spread) else f"{100 * spread:.0f} %",
                   "yes" if r["fits_budget"] else "no")
     return t
 

@@ -31,6 +31,7 @@ import inspect
 import logging
 import math
 import os
+import statistics
 import weakref
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
@@ -43,7 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from .advisor import Advice, PlanFactory, _adjusted, _progress, _step_view, default_plans, parse_budget, plan_table, rank
+from .advisor import Advice, PlanFactory, _adjusted, _progress, _spread, _step_view, default_plans, parse_budget, plan_table, rank
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import ScriptError, observe_script
@@ -731,6 +732,7 @@ def verify_script(advice: ScriptAdvice, args: Sequence[str] = (), *, top: int = 
             "predicted_seconds": float(pred["seconds"]),
             "measured_seconds": measured_seconds,
             "time_error": float(pred["seconds"]) / measured_seconds - 1,
+            "measured_spread": got["spread"],
             "fits_budget": got["peak_reserved"] <= advice.budget,
         })
     advice.verified = pd.DataFrame(rows).set_index("plan")
@@ -766,8 +768,10 @@ def _measure_plan(conn, script: str, args: list, strategies: list, facts: "Scrip
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
         return
     last = r.steps.iloc[-1]
+    # The steps after the first (profiled in full, the others cheaply): their median and spread.
+    times = [float(t) for t in r.steps["seconds"].iloc[1:]] or [float(last["seconds"])]
     conn.send({"peak_reserved": int(last["peak_reserved"]), "peak_allocated": int(last["peak_allocated"]),
-               "seconds": float(last["seconds"])})
+               "seconds": statistics.median(times), "spread": _spread(times)})
 
 
 def _local_gpu() -> GPU:

@@ -358,6 +358,8 @@ def test_verify_measures_each_plan_in_a_fresh_run(tmp_path):
     assert len(verified) >= 2 and not any(isinstance(v.get("error"), str) for v in verified.values())
     base = verified["baseline"]
     assert base["measured_peak_allocated"] == base["predicted_peak_allocated"]
+    # The steps measured after the first: a spread of two or more steps, a number >= 0.
+    assert all(v["measured_spread"] >= 0 for v in verified.values())
 
 
 def test_verified_plans_show_their_step_time_error():
@@ -369,13 +371,13 @@ def test_verified_plans_show_their_step_time_error():
 
     df = pd.DataFrame([
         {"plan": "accum2", "predicted_peak_reserved": 3 * 2**30, "measured_peak_reserved": 3 * 2**30 + 2**29,
-         "predicted_seconds": 0.110, "measured_seconds": 0.100, "fits_budget": True},
+         "predicted_seconds": 0.110, "measured_seconds": 0.100, "measured_spread": 0.07, "fits_budget": True},
         {"plan": "ckpt", "error": "OutOfMemoryError: CUDA out of memory."},
     ]).set_index("plan")
     console = Console(width=200, record=True)
     console.print(_verified_table(df))
     lines = [line.split() for line in console.export_text().splitlines()]
-    assert ["accum2", "3.00", "GiB", "3.50", "GiB", "110.0", "ms", "100.0", "ms", "+10", "%", "yes"] in lines
+    assert ["accum2", "3.00", "GiB", "3.50", "GiB", "110.0", "ms", "100.0", "ms", "+10", "%", "7", "%", "yes"] in lines
     assert ["ckpt", "OutOfMemoryError:", "CUDA", "out", "of", "memory.", "no"] in lines
 
 

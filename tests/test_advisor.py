@@ -276,6 +276,13 @@ def test_verify_without_cuda_raises(advice):
         verify(ff_workload, advice)
 
 
+def test_a_measured_steps_spread_is_slowest_less_fastest_over_the_median():
+    from memprof.advisor import _spread
+
+    assert _spread([0.10, 0.13, 0.11]) == pytest.approx(0.03 / 0.11)
+    assert _spread([0.2]) == 0.0
+
+
 def test_advice_is_an_advice(advice):
     assert isinstance(advice, Advice) and advice.plans.keys() == default_plans().keys()
 
