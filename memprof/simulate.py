@@ -182,6 +182,14 @@ class SimulatedAllocator(TorchDispatchMode):
 
     available = True
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # PyTorch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless told
+        # otherwise (utils/_python_dispatch.py), a few microseconds on every operator of
+        # every simulated step. Nothing compiles under the simulation (VirtualCUDA runs
+        # torch.compile eagerly), so there is nothing to keep Dynamo out of.
+        return False
+
     def __init__(self, gpu: GPU, capacity: int | None = None, time_model: TimeModel | None = None) -> None:
         super().__init__()
         self.gpu = gpu

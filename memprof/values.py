@@ -79,6 +79,12 @@ def _whole(t: Any, limit: int) -> bool:
 class Values(TorchDispatchMode):
     """Follows the values of small meta tensors (see the module docstring)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # No torch._disable_dynamo around every operator: nothing compiles under the
+        # simulation (see SimulatedAllocator._should_skip_dynamo).
+        return False
+
     def __init__(self, limit: int = LIMIT) -> None:
         super().__init__()
         self.limit = limit
