@@ -212,15 +212,19 @@ class Tracker:
         self._ledger = Ledger(block=512 if self._counters.available else 1)
         # The bytes no storage claimed when cuBLAS's workspaces were last looked for.
         self._unclaimed: int | None = None
-        root = type(model).__name__
+        named = _uncompiled(model)
+        root = type(named).__name__
         self._root_name = root
         # module -> qualified name, prefixed by the root's class so names are
-        # unique and readable in phases ("GPT2LMHeadModel.transformer.h.0").
+        # unique and readable in phases ("GPT2LMHeadModel.transformer.h.0"); a
+        # model given compiled is named as the model it compiles, and is its root.
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary(
-            (m, f"{root}.{n}" if n else root) for n, m in model.named_modules()
+            (m, f"{root}.{n}" if n else root) for n, m in named.named_modules()
         )
-        self._types = {self._names[m]: type(m).__name__ for m in model.modules()}
+        self._types = {self._names[m]: type(m).__name__ for m in named.modules()}
+        self._names[model] = root
         self._by_name = {name: weakref.ref(m) for m, name in self._names.items()}
+        self._by_name[root] = weakref.ref(model)
         # Modules whose forward a checkpoint recomputed in backward (in the last full step).
         self._recompute_roots: set[str] = set()
         # Each module's path and its ancestors' up to the root: a module row
@@ -653,7 +657,7 @@ class Tracker:
         (the rest is in the ledger for as long as its storage lives)."""
         led, root = self._ledger, self._root_name
         if full:
-            model = self._model()
+            model = _uncompiled(self._model())
             self._params = [(weakref.ref(p), _owner(root, name), name) for name, p in model.named_parameters()]
             for name, b in model.named_buffers():
                 if self._on_device(b):
@@ -811,9 +815,12 @@ class Tracker:
         return self
 
     def _on_pre(self, module: nn.Module, args: tuple) -> None:
-        if self._done:
+        # Inside a region torch.compile traces (the tracked model compiled, or a part of it),
+        # Dynamo inlines module hooks into its graph: they do nothing there, and the compiled
+        # region is attributed as a whole, from the modules around it and the saved tensors.
+        if self._done or torch.compiler.is_compiling():
             return
-        name = self._names.get(module)
+        name = self._names.get(module) or self._adopt_compiled(module, args)
         if name is None:  # a module outside the tracked model: part of its caller
             return
         outer = not self._fwd
@@ -843,8 +850,24 @@ class Tracker:
         in a full step, in a cheap one for the root and the peak's modules."""
         return self._full or outer or name in self._plan.modules
 
+    def _adopt_compiled(self, module: nn.Module, args: tuple) -> str | None:
+        """The name of the tracked module that ``module`` compiles (``torch.compile(m)``'s
+        wrapper, called by the script where ``m`` was tracked), or None. Its forward runs
+        compiled, hooks of ``m`` and its submodules inlined (see _on_pre): from now on the
+        wrapper stands for ``m``, its hooks for ``m``'s, the root's included."""
+        inner = _uncompiled(module)
+        name = self._names.get(inner) if inner is not module else None
+        if name is None:
+            return None
+        self._names[module] = name
+        self._by_name[name] = weakref.ref(module)
+        if any(ref() is inner for ref in self._roots):
+            self._handles.append(module.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
+            self._on_root_pre(module, args, {})  # this call's hooks were gathered before that one
+        return name
+
     def _on_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._done:
+        if self._done or torch.compiler.is_compiling():  # see _on_pre
             return
         name = self._names.get(module)
         if name is None or not self._fwd or self._fwd[-1].name != name:
@@ -1224,6 +1247,12 @@ class Tracker:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(module)`` wraps (its ``OptimizedModule``), else ``model``."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing was compiled
+    return model._orig_mod if eval_frame and isinstance(model, eval_frame.OptimizedModule) else model
 
 
 def _owner(root: str, qualified: str) -> str:

@@ -278,6 +278,34 @@ def test_other_optimizer_is_ignored():
     assert r.peak.bytes["optimizer_state"] == 4 * MiB + 8  # AdamW's m, v and step counters only
 
 
+@pytest.mark.parametrize("tracked", ["compiled", "module"])
+def test_a_compiled_model_is_tracked_as_the_model_it_compiles(tracked):
+    """torch.compile(model): Dynamo inlines module hooks into its graph, and memprof's
+    read the tracker's own state there (Dynamo stopped with "already tracked for
+    mutation" on track(compiled)). Inside the compiled region they do nothing; the
+    region is attributed as a whole, named as the model, whether the wrapper or the
+    model is tracked (the wrapper, first met at its call, then stands for the model).
+    aot_eager: AOTAutograd's forward and backward graphs, run eagerly."""
+    torch._dynamo.reset()
+    model = mlp()
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.track(compiled if tracked == "compiled" else model, warmup=3) as prof:
+        for _ in range(3):
+            compiled(torch.randn(4096, 512)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    r = prof.report()
+    assert len(r.steps) == 3
+    # The forward's peak: the 8 MiB input, the ReLU's 8 MiB output saved for backward,
+    # the 2 MiB of weights, AdamW's m and v (4 MiB) and two 4-byte step counters.
+    assert r.peak.phase == "forward Sequential"
+    assert {k: v for k, v in r.peak.bytes.items() if v} == {
+        "parameters": 2 * MiB, "optimizer_state": 4 * MiB + 8, "activations": 8 * MiB, "inputs": 8 * MiB}
+    assert list(r.modules.index) == ["Sequential", "Sequential.0", "Sequential.1", "Sequential.2"]
+    assert r.modules.loc["Sequential", "activations"] == 8 * MiB
+
+
 def test_explicit_optimizer():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
