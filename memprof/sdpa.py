@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -113,9 +114,34 @@ class Environment:
             return ops._scaled_dot_product_efficient_attention(
                 query, key, value, attn_mask, lse, dropout_p, is_causal, scale=scale
             )[0]
-        return ops._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
-        )[0]
+        return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _math(query, key, value, attn_mask, dropout_p: float, is_causal: bool, scale, enable_gqa: bool):
+    """The math fallback (a composite of matmuls and a softmax), with its dropout as on CUDA.
+
+    Its ``at::dropout`` is CUDA's fused kernel there (Dropout.cpp's
+    is_fused_kernel_acceptable), which keeps a one-byte mask; on meta tensors
+    the composite keeps a mask in the scores' dtype instead, four times as
+    large in fp32: +96 MiB a layer for a T5-small encoder at 16 x 512 (3 x 32
+    MiB), measured against an H200. The composite's own ``dropout_mask``
+    argument (there for testing fused kernels) gives the fused kernel's saved
+    tensors: a one-byte mask (its ``logical_not``) and the dropped scores. The
+    mask passed in is a broadcast ``True``, one byte of storage; the values
+    are the simulation's placeholders either way."""
+    mask = None
+    if dropout_p > 0.0:
+        lead = query.shape[:-2] if enable_gqa else torch.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+        mask = torch.ones((), dtype=torch.bool, device=query.device).expand(*lead, query.shape[-2], key.shape[-2])
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, mask, scale=scale, enable_gqa=enable_gqa
+    )[0]
+
+
+# PyTorch warns (once) that a dropout mask is for testing: the mask is _math's, not the
+# user's. A warning from C++ reaches Python where the user's outermost call returns, past
+# any catch_warnings around the call here, hence a filter for that message alone.
+warnings.filterwarnings("ignore", message="Dropout mask should only be used for testing purposes")
 
 
 def _local_cudnn() -> int | None:

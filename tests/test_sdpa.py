@@ -131,6 +131,31 @@ def test_simulated_attention_forward_matches_the_gpu():
     assert checked == 18
 
 
+def test_the_math_fallbacks_dropout_keeps_what_cudas_fused_dropout_keeps():
+    """On CUDA the math fallback's dropout is the fused kernel: a one-byte mask and the
+    dropped scores stay for backward. On meta tensors PyTorch's composite kept a mask in
+    the scores' dtype (fp32 after the half inputs' upcast): 4 bytes an element, not 1."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+    from memprof.virtual_cuda import VirtualCUDA
+
+    gpu = get_gpu("h200")
+    kept = {}
+    for p in (0.0, 0.1):
+        with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)):
+            q, k, v = (torch.randn(2, 4, 256, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+            base = torch.cuda.memory_allocated()
+            with sdpa_kernel(SDPBackend.MATH):
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+            kept[p] = torch.cuda.memory_allocated() - base
+            out.sum().backward()
+    scores = 2 * 4 * 256 * 256
+    assert kept[0.1] - kept[0.0] == scores * 1 + scores * 4  # the bool mask, the fp32 dropped scores
+
+
 @pytest.mark.parametrize("context", ["checkpointed", "no_grad"])
 def test_kernel_probe_stays_out_of_the_callers_context(monkeypatch, context):
     """The simulation asks once whether this torch's meta kernels run cuDNN
