@@ -107,7 +107,8 @@ class _Observer:
         for handle in (
             register_module_forward_pre_hook(self._on_forward_pre),
             register_module_forward_hook(self._on_forward, always_call=True),
-            register_optimizer_step_post_hook(self._on_step),
+            # As Python even in a compiled optimizer step (see memprof.tracker).
+            register_optimizer_step_post_hook(torch.compiler.disable(self._on_step)),
         ):
             self._stack.callback(handle.remove)
 
@@ -123,6 +124,8 @@ class _Observer:
             raise _Stop(timed_out=True)
 
     def _on_forward_pre(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():  # inlined in a compiled region: the calls around it count
+            return
         self._check()
         if self._depth == 0:
             self._outermost[module] = next(self._seq)
@@ -154,7 +157,8 @@ class _Observer:
         return tracker.oom_files
 
     def _on_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self._depth = max(self._depth - 1, 0)
+        if not torch.compiler.is_compiling():
+            self._depth = max(self._depth - 1, 0)
 
     def _on_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         self._check()
@@ -252,7 +256,7 @@ class _Observer:
         # An unfinished step (forwards after the last optimizer step) is no
         # training step: exit as if interrupted, which drops it.
         self._tracking.callback(tracker.__exit__, _Stop, _Stop(), None)
-        self._tracking.callback(register_optimizer_step_post_hook(self._on_tracked_step).remove)
+        self._tracking.callback(register_optimizer_step_post_hook(torch.compiler.disable(self._on_tracked_step)).remove)
         models = " and ".join(model.keys()) if model is self._root else type(model).__name__
         optimizers = ", ".join(type(o).__name__ for _, o in self._trained)
         log.info("tracking %s with %s from optimizer step %d", models, optimizers, self.optimizer_steps + 1)
@@ -287,7 +291,11 @@ class _Observer:
 
 
 def _step_frame(frame):
-    """The outermost of the consecutive frames in torch/optim/optimizer.py: the ``step`` wrapper."""
+    """The outermost of the consecutive frames in torch/optim/optimizer.py, the ``step``
+    wrapper, from the first at or above ``frame`` (the hooks are called through
+    torch.compiler.disable's wrapper)."""
+    while frame is not None and frame.f_code.co_filename != _OPTIMIZER_FILE:
+        frame = frame.f_back
     outer = frame
     while frame is not None and frame.f_code.co_filename == _OPTIMIZER_FILE:
         outer, frame = frame, frame.f_back

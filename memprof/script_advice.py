@@ -307,7 +307,7 @@ class _Watch:
         for name in self._names:
             self._children.setdefault(name.rpartition(".")[0], []).append(name)
         self._handles = [model.register_forward_pre_hook(self._on_model, with_kwargs=True),
-                         register_optimizer_step_post_hook(self._on_optimizer)]
+                         register_optimizer_step_post_hook(torch.compiler.disable(self._on_optimizer))]
         self._optimizers = weakref.WeakSet([opt])
         self._model = weakref.ref(model)
         self._handles += [m.register_forward_pre_hook(functools.partial(self._on_module, name))

@@ -307,8 +307,10 @@ class Tracker:
             self._active = True
             self._user_view = self._counters.user_view()
             self._user_view.__enter__()
-            self._handles.append(register_optimizer_step_pre_hook(self._on_optimizer_pre))
-            self._handles.append(register_optimizer_step_post_hook(self._on_optimizer_post))
+            # Run as Python even where the script compiles its optimizer's step (torch.compile
+            # traced them once and dropped them from the compiled step: one step was seen of five).
+            self._handles.append(register_optimizer_step_pre_hook(torch.compiler.disable(self._on_optimizer_pre)))
+            self._handles.append(register_optimizer_step_post_hook(torch.compiler.disable(self._on_optimizer_post)))
             for ref in self._roots:
                 root = ref()
                 self._handles.append(root.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))

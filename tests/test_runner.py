@@ -226,6 +226,32 @@ def test_two_optimizers_over_one_model_are_both_tracked(tmp_path, caplog, clean)
                                       "step": 2 * 4}
 
 
+def test_a_compiled_model_and_optimizer_step(tmp_path, clean):
+    """torch.compile on the model and on a function that steps the optimizer: memprof's
+    hooks stay out of the compiled code (Dynamo traced them: a crash, or steps unseen),
+    and the step hook starts tracking once PyTorch's own step wrapper returns."""
+    script = write(tmp_path, """
+        import torch
+        from torch import nn
+        model = torch.compile(nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(),
+                                            nn.Linear(512, 512, bias=False)), backend="aot_eager")
+        opt = torch.optim.AdamW(model.parameters())
+
+        @torch.compile(backend="aot_eager")
+        def opt_step():
+            opt.step()
+
+        for i in range(10):
+            model(torch.randn(64, 512)).square().mean().backward()
+            opt_step()
+            opt.zero_grad(set_to_none=True)
+    """)
+    report = observe_script(script, steps=3)
+    assert len(report.steps) == 3 and report.modules.index[0] == "Sequential"
+    assert report.peak.bytes["parameters"] == 2 * MiB
+    assert report.optimizer_state == {"exp_avg": 2 * MiB, "exp_avg_sq": 2 * MiB, "step": 2 * 4}
+
+
 ERRORS = {
     "raises": ("import torch\nraise ValueError('no data at /data')\n",
                ["ValueError: no data at /data", "line 2", "could not observe a training step"]),

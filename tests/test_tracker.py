@@ -306,6 +306,23 @@ def test_a_compiled_model_is_tracked_as_the_model_it_compiles(tracked):
     assert r.modules.loc["Sequential", "activations"] == 8 * MiB
 
 
+def test_a_compiled_optimizer_step_still_ends_every_step():
+    """The optimizer's step under torch.compile: Dynamo traced memprof's optimizer hooks
+    once and left them out of the compiled step (1 step seen of 5); they run as Python."""
+    torch._dynamo.reset()
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    step = torch.compile(opt.step, backend="eager")
+    with memprof.track(model, warmup=2, every=1) as prof:
+        for _ in range(5):
+            model(torch.randn(512, 512)).sum().backward()
+            step()
+            opt.zero_grad()
+    r = prof.report()
+    assert len(r.steps) == 5
+    assert r.peak.bytes["optimizer_state"] == 4 * MiB + 8
+
+
 def test_explicit_optimizer():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
