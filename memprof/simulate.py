@@ -35,6 +35,7 @@ from .aten_args import tensors
 from .caching import CachingAllocatorModel
 from .devices import GPU, get_gpu
 from .meta_kernels import PLAIN_TENSORS, KernelCache
+from .reductions import REDUCTIONS, Staging, staging_bytes
 from .report import Report
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
@@ -400,6 +401,22 @@ class SimulatedAllocator(TorchDispatchMode):
         if storage.nbytes():
             self._allocate(storage)
 
+    def _transient(self, staging: Staging) -> None:
+        """Blocks a reduction takes and gives back within its run (memprof.reductions): its
+        accumulation buffer around its pieces, each piece's staging buffer and semaphores."""
+        def free(h: int) -> None:
+            self.model.free(h)
+            if self.events is not None:
+                self.events.append(("f", h))
+
+        held = self._malloc(staging.accumulation) if staging.accumulation else None
+        for piece in staging.pieces:
+            handles = [self._malloc(n) for n in piece]
+            for h in reversed(handles):
+                free(h)
+        if held is not None:
+            free(held)
+
     def _free(self, key: weakref.ref) -> None:
         handle = self._handles.pop(key, None)
         if handle is not None:
@@ -419,6 +436,8 @@ class SimulatedAllocator(TorchDispatchMode):
             # thread's first matrix product and kept for the process's life.
             self._workspaces[backward] = self._malloc(cublas_workspace_bytes(self.gpu.compute_capability))
         made = [self._allocate(s) for t in tensors(out) if t.is_meta for s in _storages(t)]
+        if func in REDUCTIONS and isinstance(out, torch.Tensor) and out.is_meta:
+            self._transient(staging_bytes(func, args, out, self.gpu))
         if cost is None:  # the host's own work (a data pipeline): no simulated time
             return out
         flops, nbytes, dtype, conv, kernel, kind = cost
