@@ -8,7 +8,11 @@ The scripts in ``benchmarks/scripts/`` are written the way public training code
 is (nanoGPT, Hugging Face Trainer, Lightning, torchvision's reference trainer,
 PEFT, a plain loop around a grouped-query decoder, a script that asks the CUDA
 runtime everything, Accelerate without the Trainer, DDP and FSDP2 written for torchrun,
-a WGAN-GP in PyTorch-GAN's style, pytorch/examples' DCGAN, nn.DataParallel with a side-stream data prefetcher); none of them knows memprof. Each runs unmodified from its
+a WGAN-GP in PyTorch-GAN's style, pytorch/examples' DCGAN, nn.DataParallel with a side-stream data prefetcher;
+seven short ones in other habits: torch.cuda's conveniences with streams, events and a channels-last
+fp16 net, a model.half() decoder with einsum attention, torch.compile on the model and the optimizer step,
+T5 with Adafactor, torch.cuda.amp with reentrant checkpointing, a GroupNorm UNet with RAdam,
+nn.TransformerEncoder with padding masks); none of them knows memprof. Each runs unmodified from its
 own directory, as its users run it. ``measure`` and ``simulate`` write one
 report per entry (``NAME.json``) and a log (``NAME.log``); ``compare`` writes
 ``corpus.md`` and ``corpus.json``: the last tracked step's peak allocated and
@@ -50,6 +54,13 @@ CORPUS: dict[str, tuple[str, str, list[str], bool]] = {
     "wgan-gp": (".", "wgan_gp.py", [], False),
     "dcgan": (".", "dcgan.py", ["--batchSize", "256"], False),
     "prefetch-classifier": (".", "prefetch_classifier.py", [], False),
+    "cuda-conveniences": (".", "cuda_conveniences.py", [], False),
+    "half-einsum": (".", "half_einsum.py", [], False),
+    "compiled-step": (".", "compiled_step.py", [], False),
+    "t5-adafactor": (".", "t5_adafactor.py", [], False),
+    "legacy-amp-reentrant": (".", "legacy_amp_reentrant.py", [], False),
+    "unet-segmentation": (".", "unet_segmentation.py", [], False),
+    "nn-transformer": (".", "nn_transformer.py", [], False),
 }
 
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from corpus import CORPUS, SCRIPTS  # noqa: E402
 
-#: Small sizes for each entry (the script's own options).
+#: Small sizes for each entry (the script's own options; none: the short scripts with fixed sizes).
 SMALL = {
     "nanogpt": ["--n_layer=2", "--n_head=4", "--n_embd=128", "--block_size=128", "--batch_size=4"],
     "gqa_decoder.py": ["--hidden-size", "128", "--intermediate-size", "352", "--layers", "2", "--heads", "4",
@@ -54,7 +54,7 @@ HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 def _args(name: str) -> tuple[Path, str, list[str]]:
     folder, script, args, _ = CORPUS[name]
-    return SCRIPTS / folder, script, [*args, *SMALL["nanogpt" if folder == "nanogpt" else script]]
+    return SCRIPTS / folder, script, [*args, *SMALL.get("nanogpt" if folder == "nanogpt" else script, [])]
 
 
 def _memprof(cwd: Path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
