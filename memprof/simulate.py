@@ -33,6 +33,7 @@ from torch.utils.flop_counter import flop_registry
 from .allocator import Counters, cublas_workspace_bytes
 from .aten_args import tensors
 from .caching import CachingAllocatorModel
+from .cudnn import CONVOLUTIONS, cudnn_layout
 from .devices import GPU, get_gpu
 from .meta_kernels import PLAIN_TENSORS, KernelCache
 from .reductions import REDUCTIONS, Staging, staging_bytes
@@ -427,6 +428,9 @@ class SimulatedAllocator(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out, cost = KERNELS.run(func, args, kwargs, _cost)
+        copies: list[int] = []
+        if func in CONVOLUTIONS and args[1].is_meta:
+            out, copies = cudnn_layout(func, args, out)
         backward = torch._C._current_graph_task_id() != -1  # autograd's engine is running
         matmul = func.__name__.split(".")[0] in _MATMUL_OPS
         if len(self._workspaces) < 2 and backward not in self._workspaces and matmul:
@@ -438,6 +442,8 @@ class SimulatedAllocator(TorchDispatchMode):
         made = [self._allocate(s) for t in tensors(out) if t.is_meta for s in _storages(t)]
         if func in REDUCTIONS and isinstance(out, torch.Tensor) and out.is_meta:
             self._transient(staging_bytes(func, args, out, self.gpu))
+        if copies:  # taken for the kernel's run, all at once
+            self._transient(Staging(0, [tuple(copies)]))
         if cost is None:  # the host's own work (a data pipeline): no simulated time
             return out
         flops, nbytes, dtype, conv, kernel, kind = cost
