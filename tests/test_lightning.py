@@ -315,9 +315,10 @@ def fit_blocks(callback, max_steps=3, **trainer_kw):
 
 
 def test_advice_in_lightning_terms_for_a_budget_that_forces_checkpointing(tmp_path, capsys):
-    # bf16-mixed already: the baseline runs under bf16 autocast (114 MiB reserved on the simulated
-    # RTX 3060); checkpointing the four blocks brings it to 92 MiB, under 100 MiB less the 5 % margin.
-    cb = MemprofCallback(budget="100MiB", target="rtx3060", warmup=2, print_report=False)
+    # bf16-mixed already: the baseline runs under bf16 autocast (136 MiB reserved on the simulated
+    # RTX 3060, its bias gradients' sums over 8192 rows staged across thread blocks); checkpointing
+    # the four blocks brings it to 114 MiB, under 122 MiB less the 5 % margin.
+    cb = MemprofCallback(budget="122MiB", target="rtx3060", warmup=2, print_report=False)
     trainer, model = fit_blocks(cb, precision="bf16-mixed", logger=False)
     advice = cb.advice
     assert advice.best == "ckpt"
@@ -337,8 +338,8 @@ def test_advice_in_lightning_terms_for_a_budget_that_forces_checkpointing(tmp_pa
 
 
 def test_advice_for_a_budget_that_forces_accumulation_leaves_the_fit_alone():
-    # 88 MiB less the margin: checkpointing alone (92 MiB) does not fit, two micro-batches (80 MiB) do.
-    cb = MemprofCallback(budget="88MiB", target="rtx3060", warmup=1, print_report=False)
+    # 104 MiB less the margin: checkpointing alone (114 MiB) does not fit, two micro-batches (96 MiB) do.
+    cb = MemprofCallback(budget="104MiB", target="rtx3060", warmup=1, print_report=False)
     trainer, model = fit_blocks(cb, precision="bf16-mixed", logger=False)
     assert cb.advice.best == "accum2"
     assert cb.advice.settings() == [
