@@ -24,9 +24,11 @@ offsets, amax): benchmarks/results/reductions-h200.json.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
+
+from .devices import GPU, Vendor
 
 __all__ = ["REDUCTIONS", "Staging", "staging_bytes"]
 
@@ -62,12 +64,12 @@ class Staging(NamedTuple):
 _NONE = Staging(0, [])
 
 
-def staging_bytes(func, args: tuple, out: torch.Tensor, gpu: Any) -> Staging:
+def staging_bytes(func, args: tuple, out: torch.Tensor, gpu: GPU) -> Staging:
     """The blocks ``func(*args)`` takes for its run (see :class:`Staging`)."""
     x = args[0] if args else None
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() == 0 or x.numel() == 0:
         return _NONE
-    if getattr(gpu, "multiprocessors", None) is None or getattr(gpu.vendor, "value", "nvidia") != "nvidia":
+    if gpu.multiprocessors is None or gpu.vendor is not Vendor.NVIDIA:  # warps of 32, CUDA's heuristics
         return _NONE
     where = REDUCTIONS[func]
     dims = args[where] if where is not None and len(args) > where else None
@@ -162,7 +164,7 @@ def _pieces(shape: list[int], strides: list[list[int]], offset: int):
         yield shape, strides, offset
         return
     extents = [(max((n - 1) * abs(st[d]) for st in strides), d) for d, n in enumerate(shape) if n]
-    dim = max(extents, key=lambda e: (e[0], -e[1]))[1]  # ties: the outermost, scanned first
+    dim = max(extents)[1]  # get_dim_to_split: ties go to the outermost, which it scans first
     half = shape[dim] // 2
     first = [*shape[:dim], half, *shape[dim + 1:]]
     second = [*shape[:dim], shape[dim] - half, *shape[dim + 1:]]
@@ -182,7 +184,7 @@ def _div_up(a: int, b: int) -> int:
 
 
 def _config(shape: list[int], strides: list[list[int]], offset: int, size: int, arg_size: int,
-            gpu) -> tuple[int, int] | None:
+            gpu: GPU) -> tuple[int, int] | None:
     """setReduceConfig and gpu_reduce_kernel's allocations: (staging buffer, semaphores), or None."""
     out_st, in_st = strides
     reduce_dims = sum(1 for s in out_st if s == 0)
