@@ -78,9 +78,14 @@ def measure(cases: list[str]) -> dict:
 
 
 def simulate(cases: list[str]) -> dict:
+    """The operators of the step benchmarks/step_time.py's ``trace`` simulates (its third), as
+    the time model charges them: each that adds a row to the trace (not the host's own work:
+    a data pipeline, memprof's copies of small tensors' values)."""
+    from torch.torch_version import TorchVersion
+
     from memprof.devices import get_gpu
-    from memprof.simulate import SimulatedAllocator, _state_tensors
-    from memprof.virtual_cuda import VirtualCUDA
+    from memprof.simulate import SimulatedAllocator
+    from step_time import trace
 
     gpu = get_gpu("H200-141GB")
     out = {}
@@ -88,30 +93,17 @@ def simulate(cases: list[str]) -> dict:
     for case in cases:
         model, size, plan = _parse(case)
         counts: collections.Counter = collections.Counter()
-        counting = [False]
 
         def dispatch(self, func, types, args=(), kwargs=None):
-            # Only the operators the time model charges (a row of the trace): not the
-            # host's own work (a data pipeline, memprof's copies of small tensors' values).
-            before = len(self.trace) if counting[0] else 0
-            out = original(self, func, types, args, kwargs)
-            if counting[0] and len(self.trace) > before:
+            before = len(self.trace) if self.trace is not None else None
+            result = original(self, func, types, args, kwargs)
+            if before is not None and len(self.trace) > before:
                 counts[f"{_phase()}|{func.__name__}"] += 1
-            return out
+            return result
 
         SimulatedAllocator.__torch_dispatch__ = dispatch
         try:
-            alloc = SimulatedAllocator(gpu)
-            with VirtualCUDA(gpu, allocator=alloc):
-                with torch.device("meta"):
-                    w = workload(model, "cuda", size)
-                alloc.adopt(_state_tensors(w.model, w.optimizer))
-                for s in default_plans(gpu=gpu)[plan]():
-                    s.apply_simulated(w)
-                w.step()
-                w.step()
-                counting[0], alloc.trace = True, []
-                w.step()
+            trace(model, size, plan, gpu, synchronous_pack=TorchVersion(torch.__version__) < (2, 12))
         finally:
             SimulatedAllocator.__torch_dispatch__ = original
         out[case] = dict(counts)

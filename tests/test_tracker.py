@@ -331,17 +331,16 @@ def test_explicit_optimizer():
     assert prof.report().optimizer_state == {"momentum_buffer": 2 * MiB}
 
 
-def test_two_models_with_an_optimizer_each_are_tracked_as_one():
-    """A GAN's loop: the discriminator steps, then the generator. Tracked as one
-    ModuleDict with both optimizers, a step ends where the last of them steps,
-    and both models' parameters and Adam state are named, none a temporary."""
+def _gan(steps: int, given: bool):
+    """A GAN's loop, the discriminator's step then the generator's, tracked as one ModuleDict
+    (no forward of its own: G and D are called) with both optimizers given or found."""
     torch.manual_seed(0)
     G = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 512))
     D = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 1))
     opt_d, opt_g = torch.optim.Adam(D.parameters()), torch.optim.Adam(G.parameters())
-    both = nn.ModuleDict({"G": G, "D": D})  # no forward of its own: G and D are called
-    with memprof.track(both, [opt_d, opt_g], warmup=3) as prof:
-        for _ in range(3):
+    both = nn.ModuleDict({"G": G, "D": D})
+    with memprof.track(both, [opt_d, opt_g] if given else None, warmup=steps) as prof:
+        for _ in range(steps):
             D.zero_grad()
             fake = G(torch.randn(32, 64))
             (D(fake.detach()).mean() - D(torch.randn(32, 512)).mean()).backward()
@@ -349,7 +348,13 @@ def test_two_models_with_an_optimizer_each_are_tracked_as_one():
             G.zero_grad()
             (-D(fake).mean()).backward()
             opt_g.step()
-    r = prof.report()
+    return prof.report(), both, opt_d
+
+
+def test_two_models_with_an_optimizer_each_are_tracked_as_one():
+    """Given both optimizers, a step ends where the last of them steps, and both
+    models' parameters and Adam state are named, none a temporary."""
+    r, both, opt_d = _gan(3, given=True)
     assert len(r.steps) == 3
     g, d = (64 * 256 + 256 + 256 * 512 + 512) * 4, (512 * 256 + 256 + 256 + 1) * 4
     assert r.peak.bytes["parameters"] == g + d
@@ -370,21 +375,7 @@ def test_several_optimizers_found_automatically_end_a_step_at_the_last():
     steps again, the one before it (the last of an iteration) ends a step: a
     GAN's discriminator and generator, and one model with Muon's split (SGD
     for the matrices beside AdamW for the biases)."""
-    torch.manual_seed(0)
-    G = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 512))
-    D = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 1))
-    opt_d, opt_g = torch.optim.Adam(D.parameters()), torch.optim.Adam(G.parameters())
-    both = nn.ModuleDict({"G": G, "D": D})
-    with memprof.track(both, warmup=4) as prof:
-        for _ in range(4):
-            D.zero_grad()
-            fake = G(torch.randn(32, 64))
-            (D(fake.detach()).mean() - D(torch.randn(32, 512)).mean()).backward()
-            opt_d.step()
-            G.zero_grad()
-            (-D(fake).mean()).backward()
-            opt_g.step()
-    r = prof.report()
+    r, _, _ = _gan(4, given=False)
     # Step 0 ends at the discriminator's first step (the cycle is not known yet), step 1 at the
     # generator's second; then each step is an iteration: the generator's backward, its step last.
     assert len(r.steps) == 4
