@@ -42,7 +42,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .report import Report
-from .tracker import Tracker, track
+from .tracker import Tracker, _uncompiled, track
 
 __all__ = ["ScriptError", "observe_script"]
 
@@ -201,7 +201,7 @@ class _Observer:
         models = [m for m in models if not any(m is not o and any(m is c for c in o.modules()) for o in models)]
         names: dict[str, nn.Module] = {}
         for m in models:
-            name = type(m).__name__
+            name = type(_uncompiled(m)).__name__
             names[name if name not in names else f"{name}_{len(names)}"] = m
         self._root = nn.ModuleDict(names) if len(models) > 1 else None
         self._pending = (self._root or models[0], [o for _, o in self._trained])
@@ -257,7 +257,7 @@ class _Observer:
         # training step: exit as if interrupted, which drops it.
         self._tracking.callback(tracker.__exit__, _Stop, _Stop(), None)
         self._tracking.callback(register_optimizer_step_post_hook(torch.compiler.disable(self._on_tracked_step)).remove)
-        models = " and ".join(model.keys()) if model is self._root else type(model).__name__
+        models = " and ".join(model.keys()) if model is self._root else type(_uncompiled(model)).__name__
         optimizers = ", ".join(type(o).__name__ for _, o in self._trained)
         log.info("tracking %s with %s from optimizer step %d", models, optimizers, self.optimizer_steps + 1)
 

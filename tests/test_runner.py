@@ -226,7 +226,7 @@ def test_two_optimizers_over_one_model_are_both_tracked(tmp_path, caplog, clean)
                                       "step": 2 * 4}
 
 
-def test_a_compiled_model_and_optimizer_step(tmp_path, clean):
+def test_a_compiled_model_and_optimizer_step(tmp_path, caplog, clean):
     """torch.compile on the model and on a function that steps the optimizer: memprof's
     hooks stay out of the compiled code (Dynamo traced them: a crash, or steps unseen),
     and the step hook starts tracking once PyTorch's own step wrapper returns."""
@@ -246,7 +246,9 @@ def test_a_compiled_model_and_optimizer_step(tmp_path, clean):
             opt_step()
             opt.zero_grad(set_to_none=True)
     """)
-    report = observe_script(script, steps=3)
+    with caplog.at_level(logging.INFO, logger="memprof"):
+        report = observe_script(script, steps=3)
+    assert "tracking Sequential with AdamW" in caplog.text  # the model it compiles, not OptimizedModule
     assert len(report.steps) == 3 and report.modules.index[0] == "Sequential"
     assert report.peak.bytes["parameters"] == 2 * MiB
     assert report.optimizer_state == {"exp_avg": 2 * MiB, "exp_avg_sq": 2 * MiB, "step": 2 * 4}
