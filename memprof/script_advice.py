@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from .advisor import Advice, PlanFactory, _adjusted, _progress, _spread, _step_view, default_plans, parse_budget, plan_table, rank
+from .hooks import Shared
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import ScriptError, observe_script
@@ -306,11 +307,11 @@ class _Watch:
         self._children: dict[str, list[str]] = {}
         for name in self._names:
             self._children.setdefault(name.rpartition(".")[0], []).append(name)
-        self._handles = [model.register_forward_pre_hook(self._on_model, with_kwargs=True),
+        self._handles = [model.register_forward_pre_hook(Shared(self._on_model), with_kwargs=True),
                          register_optimizer_step_post_hook(torch.compiler.disable(self._on_optimizer))]
         self._optimizers = weakref.WeakSet([opt])
         self._model = weakref.ref(model)
-        self._handles += [m.register_forward_pre_hook(functools.partial(self._on_module, name))
+        self._handles += [m.register_forward_pre_hook(Shared(functools.partial(self._on_module, name)))
                           for name, m in model.named_modules() if name]
 
     def _on_model(self, module, args, kwargs) -> None:

@@ -48,6 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .allocator import counters_for
 from .categories import ALLOCATED, Category
+from .hooks import Shared
 from .ledger import Ledger
 from .report import MODULE_CATEGORIES, MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Phase, Report
 
@@ -102,7 +103,11 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     """The storage that holds ``t``'s bytes on this process: for a sharded
     DTensor (FSDP2), the local shard's, not the global tensor's."""
     cls = type(t)
-    if cls is torch.Tensor or cls is nn.Parameter:  # most tensors: a failed getattr costs more than all else here
+    if t.layout is not torch.strided:
+        # A sparse tensor (an nn.Embedding(sparse=True) gradient) has no storage of its own:
+        # its values' stand for it (the indices, 8 bytes per stored row, go uncounted).
+        t = t._values() if t.is_sparse else t.values()
+    elif cls is torch.Tensor or cls is nn.Parameter:  # most tensors: a failed getattr costs more than all else here
         return t.untyped_storage()
     local = getattr(t, "_local_tensor", None)
     return (local if isinstance(local, torch.Tensor) else t).untyped_storage()
@@ -313,7 +318,7 @@ class Tracker:
             self._handles.append(register_optimizer_step_post_hook(torch.compiler.disable(self._on_optimizer_post)))
             for ref in self._roots:
                 root = ref()
-                self._handles.append(root.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
+                self._handles.append(root.register_forward_pre_hook(Shared(self._on_root_pre), with_kwargs=True))
                 self._wrap_zero_grad(root)
             for ref in self._given or ():
                 self._optimizers[ref()] = True
@@ -550,12 +555,12 @@ class Tracker:
                 ref = self._by_name.get(name)  # "" for a saved tensor's or a node's event
                 module = ref() if ref is not None else None
                 if module is not None:
-                    h.append(module.register_forward_pre_hook(self._on_pre))
-                    h.append(module.register_forward_hook(self._on_post, always_call=True))
+                    h.append(module.register_forward_pre_hook(Shared(self._on_pre)))
+                    h.append(module.register_forward_hook(Shared(self._on_post), always_call=True))
         # Bound once a step, not once a node or parameter (see _hook_graph).
         self._node_hook = self._on_node_grads
         if full:  # a cheap step looks at the gradients at its bracket's samples only
-            on_grad = self._on_grad_accumulated
+            on_grad = Shared(self._on_grad_accumulated)
             for ref, _, _ in self._params:
                 p = ref()
                 if p is not None and p.requires_grad:
@@ -798,6 +803,8 @@ class Tracker:
 
     # -- hooks: forward --------------------------------------------------------
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling() or module not in self._names:  # see _on_pre; a copy of the root
+            return  # (copy.deepcopy: an EMA), which shares its hook
         self._forwards += 1
         # Inputs passed by keyword (Hugging Face's model(**batch)): the process-wide
         # pre-hook that names the positional ones (_on_pre, which ran first) sees no kwargs.
@@ -864,7 +871,7 @@ class Tracker:
         self._names[module] = name
         self._by_name[name] = weakref.ref(module)
         if any(ref() is inner for ref in self._roots):
-            self._handles.append(module.register_forward_pre_hook(self._on_root_pre, with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(Shared(self._on_root_pre), with_kwargs=True))
             self._on_root_pre(module, args, {})  # this call's hooks were gathered before that one
         return name
 
@@ -1055,7 +1062,8 @@ class Tracker:
         g = p.grad
         if g is not None and self._on_device(g):
             owner = self._ledger.get(_storage(p))
-            self._ledger.add(_storage(g), Category.GRADIENTS, owner.module if owner else "", replace=True)
+            if owner is not None:  # else a copy's parameter (copy.deepcopy of the model), its hook shared
+                self._ledger.add(_storage(g), Category.GRADIENTS, owner.module, replace=True)
 
     # -- hooks: optimizer ------------------------------------------------------
     def _is_ours(self, opt: torch.optim.Optimizer) -> bool:

@@ -323,6 +323,47 @@ def test_a_compiled_optimizer_step_still_ends_every_step():
     assert r.peak.bytes["optimizer_state"] == 4 * MiB + 8
 
 
+def test_copies_of_the_tracked_model_work_and_stay_untracked():
+    """copy.deepcopy(model) inside track (an EMA, a teacher, the best weights) copied the
+    model's hooks and with them the tracker ("cannot pickle 'generator' object"); torch.save
+    of the whole model pickled them. A copy shares the hooks, which ignore it: the report is
+    the one of the same steps without the copy."""
+    import copy
+    import io
+
+    def run(with_copies: bool):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with memprof.track(model, warmup=3) as prof:
+            for _ in range(3):
+                x = torch.randn(512, 512)
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                if with_copies:
+                    ema = copy.deepcopy(model)
+                    ema(x).sum().backward()  # the copy's forward and gradients are not the model's
+                    torch.save(model, io.BytesIO())
+        return prof.report()
+
+    plain, copied = run(False), run(True)
+    assert len(copied.steps) == 3 and copied.peak.bytes == plain.peak.bytes
+    assert copied.peak.bytes["parameters"] == 2 * MiB
+    loaded = torch.load(io.BytesIO(_saved_while_tracked()), weights_only=False)
+    assert loaded(torch.randn(2, 512)).shape == (2, 512)  # its hooks do nothing, as the tracker is gone
+
+
+def _saved_while_tracked() -> bytes:
+    import io
+
+    model = mlp()
+    with memprof.track(model, every=1):
+        model(torch.randn(4, 512)).sum().backward()
+        buf = io.BytesIO()
+        torch.save(model, buf)
+    return buf.getvalue()
+
+
 def test_explicit_optimizer():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -1,0 +1,38 @@
+"""Hooks that copies of a module share.
+
+``copy.deepcopy(model)`` inside a tracked run (an EMA, a teacher, the best
+weights so far, ``AveragedModel``) copies the module's hooks with it, and
+the copy of a bound method is a copy of its object: memprof's tracker, which
+holds what cannot be copied (generators, weak references), so the copy failed
+("cannot pickle 'generator' object"). A :class:`Shared` hook is its own copy:
+the copied module calls the same tracker, which ignores modules it does not
+track. Pickled (``torch.save(model)``), it becomes a hook that does nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["Shared"]
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class Shared:
+    """``fn`` as a module or tensor hook that copies of the module or tensor share."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> "Shared":
+        return self
+
+    def __reduce__(self) -> tuple:
+        return Shared, (_nothing,)
