@@ -69,9 +69,9 @@ def _cacheable_op(func) -> bool | tuple[int, ...]:
 
 def _arg_key(a: Any):
     if isinstance(a, torch.Tensor):
-        if a.device != _META or type(a) not in PLAIN_TENSORS:
-            # The host's own tensor (its values matter), or a subclass (a
-            # DTensor): a cached result would come back as a plain tensor.
+        if a.device != _META or type(a) not in PLAIN_TENSORS or a.layout is not torch.strided:
+            # The host's own tensor (its values matter), a subclass (a DTensor: a cached
+            # result would come back as a plain tensor), or a sparse one (no strides).
             return _UNCACHEABLE
         return (a.dtype, tuple(a.shape), a.stride())
     if isinstance(a, (list, tuple)):
@@ -166,7 +166,8 @@ def _layout(out: Any, inputs: set):
     def one(t: Any):
         nonlocal ok
         if isinstance(t, torch.Tensor):
-            if t.device != _META or type(t) not in PLAIN_TENSORS or t.storage_offset() != 0 or t.requires_grad:
+            if (t.device != _META or type(t) not in PLAIN_TENSORS or t.layout is not torch.strided
+                    or t.storage_offset() != 0 or t.requires_grad):
                 ok = False
                 return None
             storage = t.untyped_storage()

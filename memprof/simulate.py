@@ -479,6 +479,9 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     PyTorch's ``__tensor_flatten__`` protocol) holds none of its own: its
     inner tensors do, made by operators the simulation does not see (the
     subclass runs them while this mode is paused)."""
+    if t.layout is not torch.strided:  # a sparse tensor (an nn.Embedding(sparse=True) gradient): its parts'
+        parts = (t._indices(), t._values()) if t.is_sparse else (_compressed_indices(t) + (t.values(),))
+        return [p.untyped_storage() for p in parts]
     if type(t) in PLAIN_TENSORS:
         return [t.untyped_storage()]
     flatten = getattr(t, "__tensor_flatten__", None)
@@ -487,6 +490,12 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     names, _ = flatten()
     inner = (getattr(t, name) for name in names)
     return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
+
+
+def _compressed_indices(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return t.crow_indices(), t.col_indices()
+    return t.ccol_indices(), t.row_indices()
 
 
 class StepCounters(NamedTuple):

@@ -21,6 +21,7 @@ so the cost stays small.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -30,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .aten_args import leaves, map_leaves, tensors
 
 __all__ = ["LIMIT", "UnknownValues", "Values"]
+
+log = logging.getLogger(__name__)
 
 #: Largest storage, in bytes, whose values are followed: token ids and masks of a
 #: batch, scalars, small index tensors.
@@ -108,6 +111,8 @@ class Values(TorchDispatchMode):
         on_meta = metas or any(a == _META for a in flat if isinstance(a, torch.device))
         if not on_meta:
             return func(*args, **kwargs)  # the host's own work: real tensors, real values
+        if any(t.layout is not torch.strided for t in metas):
+            return func(*args, **kwargs)  # sparse tensors (gradients of sparse embeddings): not followed
         if func is torch.ops.aten.copy_.default and not args[0].is_meta:
             # A copy to the host (``host.copy_(x)`` in Python, DDP's reducer reading back the
             # bucket order it broadcast in C++): the source's values where known, else the host
@@ -116,6 +121,8 @@ class Values(TorchDispatchMode):
             return args[0] if known is None else args[0].copy_(known)
         if func in _UNINITIALISED:
             return func(*args, **kwargs)  # no values to follow: its memory is whatever was there
+        if func in _NO_META:
+            return _NO_META[func](*args, **kwargs)
         known = all(self._has(t) for t in metas)
         if (not known and func in _OVERWRITES and _whole(args[0], self.limit)
                 and all(self._has(t) for t in metas[1:])):
@@ -126,6 +133,8 @@ class Values(TorchDispatchMode):
             self._keep(out, func(host, *map_leaves(self._cpu, args[1:]), **_host(map_leaves(self._cpu, kwargs))))
             return out
         if torch.Tag.dynamic_output_shape in func.tags:
+            if not known and func in _BOUNDED:
+                return _BOUNDED[func](*args, **kwargs)
             if not known:
                 raise UnknownValues(_unknown(func))
             result = func(*map_leaves(self._cpu, args), **_host(map_leaves(self._cpu, kwargs)))
@@ -135,7 +144,8 @@ class Values(TorchDispatchMode):
         out = func(*args, **kwargs)
         # A factory has no inputs to be unknown (torch.randn of a batch): the size of what it
         # makes decides, so the host never computes a large tensor.
-        known = known and all(o.untyped_storage().nbytes() <= self.limit for o in tensors(out) if o.is_meta)
+        known = known and all(o.layout is torch.strided and o.untyped_storage().nbytes() <= self.limit
+                              for o in tensors(out) if o.is_meta)
         if known:
             try:
                 result = func(*map_leaves(self._cpu, args), **_host(map_leaves(self._cpu, kwargs)))
@@ -190,6 +200,36 @@ def _meta_like(r: Any) -> Any:
     if isinstance(r, torch.Tensor):
         return torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta")
     return r
+
+
+def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    """``aten._ctc_loss`` with target lengths the simulation does not know: its outputs as CUDA's
+    kernel makes them (LossCTC.cu: the loss per sample, and log_alpha of batch x input length x
+    (2 x the longest target + 1)), the longest target taken as long as the targets allow (the
+    padded width of 2-D targets, all of 1-D ones): an upper bound."""
+    longest = targets.shape[-1] if targets.dim() == 2 else targets.numel()
+    batch = log_probs.shape[1] if log_probs.dim() == 3 else 1
+    nll = log_probs.new_empty((batch,) if log_probs.dim() == 3 else ())
+    log_alpha = log_probs.new_empty((batch, log_probs.shape[0], 2 * longest + 1))
+    log.info("CTC loss: target lengths unknown to the simulation; log_alpha sized for targets of %d", longest)
+    return nll, log_alpha
+
+
+def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, blank,
+                       zero_infinity=False):
+    """``aten._ctc_loss_backward``, which has no meta kernel: CUDA's (LossCTC.cu) makes the
+    gradient of the log-probabilities and, while it runs, a log_beta as large as log_alpha."""
+    log_beta = log_alpha.new_empty(log_alpha.shape)
+    out = log_probs.new_empty(log_probs.shape)
+    del log_beta
+    return out
+
+
+#: Operators whose output shape depends on values, with an upper bound for when they are unknown.
+_BOUNDED = {torch.ops.aten._ctc_loss.Tensor: _ctc_loss, torch.ops.aten._ctc_loss.default: _ctc_loss}
+#: Operators without a meta kernel, as CUDA's kernels allocate (through the modes below this one).
+_NO_META = {torch.ops.aten._ctc_loss_backward.Tensor: _ctc_loss_backward,
+            torch.ops.aten._ctc_loss_backward.default: _ctc_loss_backward}
 
 
 def _unknown(func) -> str:

@@ -407,6 +407,10 @@ class VirtualCUDA:
             for module in [importlib.import_module(m) for m in ("torch.nn.parallel.comm", "torch.cuda.comm")]:
                 stack.enter_context(_replace(module, "scatter", _scatter))
                 stack.enter_context(_replace(module, "gather", _gather))
+            # torch.distributions checks its arguments' values (a Normal's loc is real, its scale
+            # positive): values a simulation does not have (a large tensor's bool() is False), so
+            # every check would fail. Its checks change no memory that stays; they are left out.
+            stack.enter_context(_replace(torch.distributions.Distribution, "_validate_args", False))
             if self.allocator is not None:
                 stack.enter_context(_replace(torch.UntypedStorage, "resize_", _resizing(self.allocator)))
                 stack.enter_context(self.allocator)

@@ -254,6 +254,69 @@ def test_a_compiled_model_and_optimizer_step(tmp_path, caplog, clean):
     assert report.optimizer_state == {"exp_avg": 2 * MiB, "exp_avg_sq": 2 * MiB, "step": 2 * 4}
 
 
+HABITS = {
+    # nn.Embedding(sparse=True) with SparseAdam beside Adam: sparse gradients have no storage of their own.
+    "sparse_embedding": ("""
+        import torch
+        from torch import nn
+        emb, head = nn.Embedding(1024, 256, sparse=True).cuda(), nn.Linear(256, 1).cuda()
+        sparse, dense = torch.optim.SparseAdam(list(emb.parameters())), torch.optim.Adam(head.parameters())
+        for i in range(10):
+            head(emb(torch.randint(0, 1024, (64, 8), device="cuda")).mean(1)).square().mean().backward()
+            sparse.step(); dense.step(); sparse.zero_grad(); dense.zero_grad()
+    """, [1024 * 256, 256, 1]),
+    # A VAE: torch.distributions checks its arguments' values; an EMA (AveragedModel) beside it.
+    "distributions_and_ema": ("""
+        import torch
+        from torch import nn
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+        from torch.nn.utils.parametrizations import weight_norm
+        class VAE(nn.Module):
+            def __init__(s):
+                super().__init__(); s.enc = weight_norm(nn.Linear(256, 64)); s.dec = nn.Linear(32, 256)
+            def forward(s, x):
+                mu, logvar = s.enc(x).chunk(2, -1)
+                q = torch.distributions.Normal(mu, torch.exp(0.5 * logvar))
+                z = q.rsample()
+                kl = torch.distributions.kl_divergence(q, torch.distributions.Normal(torch.zeros_like(z), 1.0))
+                return s.dec(z), kl.sum(-1)
+        model = VAE().cuda()
+        ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+        opt = torch.optim.Adam(model.parameters())
+        for i in range(10):
+            x = torch.rand(2048, 256, device="cuda")  # 2 MiB: values the simulation does not follow
+            recon, kl = model(x)
+            ((recon - x).square().sum(-1) + kl).mean().backward()
+            opt.step(); opt.zero_grad(); ema.update_parameters(model)
+    """, [64, 256 * 64, 64, 32 * 256, 256]),
+    # CTC: the target lengths are tensors whose values the simulation does not know.
+    "ctc_loss": ("""
+        import torch
+        from torch import nn
+        import torch.nn.functional as F
+        model = nn.Linear(80, 32).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        for i in range(10):
+            lp = model(torch.randn(200, 16, 80, device="cuda")).log_softmax(-1)
+            targets = torch.randint(1, 32, (16, 60), device="cuda")
+            loss = F.ctc_loss(lp, targets, torch.full((16,), 200, device="cuda"), torch.randint(30, 60, (16,), device="cuda"))
+            loss.backward(); opt.step(); opt.zero_grad()
+    """, [80 * 32, 32]),
+}
+
+
+@pytest.mark.parametrize("habit", list(HABITS))
+def test_habits_that_stopped_the_simulated_gpu(tmp_path, habit, clean):
+    """Each stopped the simulation before: "Cannot access storage of SparseTensorImpl",
+    "Expected parameter loc ... to satisfy the constraint Real()" (a check of values the
+    simulation does not follow fails), "aten._ctc_loss makes an output whose shape depends
+    on the values of its input"."""
+    source, sizes = HABITS[habit]
+    report = observe_script(write(tmp_path, source), steps=3, target="h200")
+    # fp32 parameters, each in its own 512-byte-rounded block of the simulated caching allocator
+    assert len(report.steps) == 3 and report.peak.bytes["parameters"] == sum(-(-4 * n // 512) * 512 for n in sizes)
+
+
 ERRORS = {
     "raises": ("import torch\nraise ValueError('no data at /data')\n",
                ["ValueError: no data at /data", "line 2", "could not observe a training step"]),
