@@ -641,8 +641,12 @@ def advise_script(
         baseline.source = "simulate"
     preds = {}
     for name, strategies in built.items():
-        if schedule.keys[name] in schedule.views and name not in schedule.failed and name not in schedule.skipped:
-            pred = _prediction(schedule.views[schedule.keys[name]], strategies, schedule.busy.get(schedule.keys[name]))
+        key = schedule.keys[name]
+        if key in schedule.views and name not in schedule.failed and name not in schedule.skipped:
+            if schedule.views[key].steps.empty:  # begun, but the script ended before its step did
+                schedule.failed[name] = "the script ended before this plan's step finished: run it for more steps"
+                continue
+            pred = _prediction(schedule.views[key], strategies, schedule.busy.get(key))
             preds[name] = _adjusted(pred, strategies, baseline, gpu)
     table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin)
     return ScriptAdvice(nbytes, gpu, world_size, table, baseline, plans, script=str(path), simulated=simulate,

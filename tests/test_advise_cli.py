@@ -513,3 +513,24 @@ def test_a_classifier_gets_checkpointing_and_accumulation(tmp_path):
     for plan in ("ckpt", "accum2"):
         assert plans[plan]["peak_allocated"] < plans["baseline"]["peak_allocated"]
     assert plans["accum4"]["peak_allocated"] < plans["accum2"]["peak_allocated"]
+
+
+def test_a_plan_the_script_ended_during_is_reported_not_a_crash(tmp_path):
+    """A script of four iterations with two optimizers (SparseAdam beside Adam) ends while a plan's
+    step is under way: that plan is reported as not run (the advice stopped with an IndexError)."""
+    script = tmp_path / "short.py"
+    script.write_text("\n".join([
+        "import torch",
+        "from torch import nn",
+        "emb, head = nn.Embedding(1024, 256, sparse=True).cuda(), nn.Linear(256, 1).cuda()",
+        "sparse, dense = torch.optim.SparseAdam(list(emb.parameters())), torch.optim.Adam(head.parameters())",
+        "for i in range(4):",
+        "    head(emb(torch.randint(0, 1024, (64, 8), device='cuda')).mean(1)).square().mean().backward()",
+        "    sparse.step(); dense.step(); sparse.zero_grad(); dense.zero_grad()",
+    ]))
+    out = tmp_path / "advice.json"
+    r = memprof("advise", str(script), "--target", "h200", "--budget", "1GiB", "--json", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    advice = json.loads(out.read_text())
+    assert "the script ended before this plan's step finished: run it for more steps" in advice["failed"].values()
+    assert advice["best"] is not None
