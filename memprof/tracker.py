@@ -103,12 +103,15 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     """The storage that holds ``t``'s bytes on this process: for a sharded
     DTensor (FSDP2), the local shard's, not the global tensor's."""
     cls = type(t)
-    if t.layout is not torch.strided:
-        # A sparse tensor (an nn.Embedding(sparse=True) gradient) has no storage of its own:
-        # its values' stand for it (the indices, 8 bytes per stored row, go uncounted).
-        t = t._values() if t.is_sparse else t.values()
-    elif cls is torch.Tensor or cls is nn.Parameter:  # most tensors: a failed getattr costs more than all else here
-        return t.untyped_storage()
+    if cls is torch.Tensor or cls is nn.Parameter:  # most tensors: a failed getattr costs more than all else here
+        try:
+            return t.untyped_storage()
+        except NotImplementedError:
+            if t.layout is torch.strided:
+                raise
+            # A sparse tensor (an nn.Embedding(sparse=True) gradient) has no storage of its own:
+            # its values' stand for it (the indices, 8 bytes per stored row, go uncounted).
+            return (t._values() if t.is_sparse else t.values()).untyped_storage()
     local = getattr(t, "_local_tensor", None)
     return (local if isinstance(local, torch.Tensor) else t).untyped_storage()
 

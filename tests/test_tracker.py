@@ -364,6 +364,22 @@ def _saved_while_tracked() -> bytes:
     return buf.getvalue()
 
 
+def test_a_sparse_gradient_counts_its_values():
+    """nn.Embedding(sparse=True) under SparseAdam: its gradient has no storage of its own
+    (memprof stopped: "Cannot access storage of SparseTensorImpl"); its values count."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(1000, 64, sparse=True), nn.Linear(64, 1)
+    model = nn.Sequential(emb, head)
+    sparse, dense = torch.optim.SparseAdam(list(emb.parameters())), torch.optim.Adam(head.parameters())
+    with memprof.track(model, [sparse, dense], warmup=3) as prof:
+        for _ in range(3):
+            model(torch.randint(0, 1000, (32,))).sum().backward()
+            sparse.step(), dense.step(), sparse.zero_grad(), dense.zero_grad()
+    r = prof.report()
+    after = r.timeline[(r.timeline.step == 2) & (r.timeline.phase == "after backward")]
+    assert after.gradients.max() == 32 * 64 * 4 + (64 + 1) * 4  # 32 rows of the embedding's, the head's
+
+
 def test_explicit_optimizer():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
