@@ -36,7 +36,7 @@ from .caching import CachingAllocatorModel
 from .cudnn import CONVOLUTIONS, cudnn_layout
 from .devices import GPU, get_gpu
 from .meta_kernels import PLAIN_TENSORS, KernelCache
-from .reductions import REDUCTIONS, Staging, staging_bytes
+from .reductions import REDUCTIONS, staging_bytes
 from .report import Report
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
@@ -402,21 +402,22 @@ class SimulatedAllocator(TorchDispatchMode):
         if storage.nbytes():
             self._allocate(storage)
 
-    def _transient(self, staging: Staging) -> None:
-        """Blocks a reduction takes and gives back within its run (memprof.reductions): its
-        accumulation buffer around its pieces, each piece's staging buffer and semaphores."""
+    def _transient(self, pieces: list[tuple[int, ...]], held: int = 0) -> None:
+        """Blocks a kernel takes and gives back within its run: ``held`` bytes around all of
+        it (a reduction's accumulation buffer), and the blocks of each piece in turn (a
+        reduction's staging buffer and semaphores, a convolution's copies of its operands)."""
         def free(h: int) -> None:
             self.model.free(h)
             if self.events is not None:
                 self.events.append(("f", h))
 
-        held = self._malloc(staging.accumulation) if staging.accumulation else None
-        for piece in staging.pieces:
+        around = self._malloc(held) if held else None
+        for piece in pieces:
             handles = [self._malloc(n) for n in piece]
             for h in reversed(handles):
                 free(h)
-        if held is not None:
-            free(held)
+        if around is not None:
+            free(around)
 
     def _free(self, key: weakref.ref) -> None:
         handle = self._handles.pop(key, None)
@@ -441,9 +442,10 @@ class SimulatedAllocator(TorchDispatchMode):
             self._workspaces[backward] = self._malloc(cublas_workspace_bytes(self.gpu.compute_capability))
         made = [self._allocate(s) for t in tensors(out) if t.is_meta for s in _storages(t)]
         if func in REDUCTIONS and isinstance(out, torch.Tensor) and out.is_meta:
-            self._transient(staging_bytes(func, args, out, self.gpu))
+            staging = staging_bytes(func, args, out, self.gpu)
+            self._transient(staging.pieces, staging.accumulation)
         if copies:  # taken for the kernel's run, all at once
-            self._transient(Staging(0, [tuple(copies)]))
+            self._transient([tuple(copies)])
         if cost is None:  # the host's own work (a data pipeline): no simulated time
             return out
         flops, nbytes, dtype, conv, kernel, kind = cost
