@@ -7,13 +7,28 @@ holds what cannot be copied (generators, weak references), so the copy failed
 ("cannot pickle 'generator' object"). A :class:`Shared` hook is its own copy:
 the copied module calls the same tracker, which ignores modules it does not
 track. Pickled (``torch.save(model)``), it becomes a hook that does nothing.
+
+Module hooks also run inside PyTorch's transforms, which they cannot follow:
+torch.compile's Dynamo inlines them into the graph it traces, and torch.func's
+``vmap``/``grad`` hand them wrapped tensors without storages of their own.
+:func:`transformed` says when: hooks then do nothing, and the transformed
+call is attributed as a whole, from the calls around it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["Shared"]
+import torch
+
+__all__ = ["Shared", "transformed"]
+
+_interpreters = torch._C._functorch.peek_interpreter_stack
+
+
+def transformed() -> bool:
+    """Whether the caller runs inside torch.compile's tracing or a torch.func transform."""
+    return torch.compiler.is_compiling() or _interpreters() is not None
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:

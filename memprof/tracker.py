@@ -48,7 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .allocator import counters_for
 from .categories import ALLOCATED, Category
-from .hooks import Shared
+from .hooks import Shared, transformed
 from .ledger import Ledger
 from .report import MODULE_CATEGORIES, MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Phase, Report
 
@@ -806,7 +806,7 @@ class Tracker:
 
     # -- hooks: forward --------------------------------------------------------
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.compiler.is_compiling() or module not in self._names:  # see _on_pre; a copy of the root
+        if transformed() or module not in self._names:  # see _on_pre; a copy of the root
             return  # (copy.deepcopy: an EMA), which shares its hook
         self._forwards += 1
         # Inputs passed by keyword (Hugging Face's model(**batch)): the process-wide
@@ -828,9 +828,10 @@ class Tracker:
 
     def _on_pre(self, module: nn.Module, args: tuple) -> None:
         # Inside a region torch.compile traces (the tracked model compiled, or a part of it),
-        # Dynamo inlines module hooks into its graph: they do nothing there, and the compiled
+        # Dynamo inlines module hooks into its graph; inside torch.func's transforms (per-sample
+        # gradients) tensors are wrappers without storages: hooks do nothing there, and the
         # region is attributed as a whole, from the modules around it and the saved tensors.
-        if self._done or torch.compiler.is_compiling():
+        if self._done or transformed():
             return
         name = self._names.get(module) or self._adopt_compiled(module, args)
         if name is None:  # a module outside the tracked model: part of its caller
@@ -879,7 +880,7 @@ class Tracker:
         return name
 
     def _on_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._done or torch.compiler.is_compiling():  # see _on_pre
+        if self._done or transformed():  # see _on_pre
             return
         name = self._names.get(module)
         if name is None or not self._fwd or self._fwd[-1].name != name:

@@ -302,6 +302,23 @@ HABITS = {
             loss = F.ctc_loss(lp, targets, torch.full((16,), 200, device="cuda"), torch.randint(30, 60, (16,), device="cuda"))
             loss.backward(); opt.step(); opt.zero_grad()
     """, [80 * 32, 32]),
+    # DP-SGD's per-sample gradients: the model runs only inside torch.func's vmap(grad(...)),
+    # whose wrapped tensors have no storage ("Cannot access storage of TensorWrapper").
+    "per_sample_gradients": ("""
+        import torch
+        from torch import nn
+        from torch.func import functional_call, grad, vmap
+        model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        def loss_fn(p, x, y):
+            return nn.functional.cross_entropy(functional_call(model, p, (x[None],)), y[None])
+        for i in range(10):
+            x, y = torch.randn(64, 128, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
+            g = vmap(grad(loss_fn), in_dims=(None, 0, 0))({k: v.detach() for k, v in model.named_parameters()}, x, y)
+            for k, p in model.named_parameters():
+                p.grad = g[k].mean(0) + 0.01 * torch.randn_like(p)
+            opt.step(); opt.zero_grad()
+    """, [128 * 256, 256, 256 * 10, 10]),
 }
 
 
@@ -310,7 +327,7 @@ def test_habits_that_stopped_the_simulated_gpu(tmp_path, habit, clean):
     """Each stopped the simulation before: "Cannot access storage of SparseTensorImpl",
     "Expected parameter loc ... to satisfy the constraint Real()" (a check of values the
     simulation does not follow fails), "aten._ctc_loss makes an output whose shape depends
-    on the values of its input"."""
+    on the values of its input", "Cannot access storage of TensorWrapper"."""
     source, sizes = HABITS[habit]
     report = observe_script(write(tmp_path, source), steps=3, target="h200")
     # fp32 parameters, each in its own 512-byte-rounded block of the simulated caching allocator

@@ -380,6 +380,37 @@ def test_a_sparse_gradient_counts_its_values():
     assert after.gradients.max() == 32 * 64 * 4 + (64 + 1) * 4  # 32 rows of the embedding's, the head's
 
 
+def test_per_sample_gradients_with_torch_func():
+    """DP-SGD by hand: vmap(grad(...)) over functional_call of the tracked model. Its module
+    hooks run on torch.func's wrapped tensors, which have no storage (memprof stopped:
+    "Cannot access storage of TensorWrapper"); they stand aside inside the transform, and the
+    gradients the script assigns count."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def loss_fn(params, x, y):
+        return F.cross_entropy(functional_call(model, params, (x[None],)), y[None])
+
+    with memprof.track(model, opt) as prof:
+        for _ in range(3):
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            per_sample = vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, torch.randn(32, 64),
+                                                                   torch.randint(0, 10, (32,)))
+            for k, p in model.named_parameters():
+                p.grad = per_sample[k].mean(0)
+            opt.step()
+            opt.zero_grad()
+    r = prof.report()
+    size = (64 * 128 + 128 + 128 * 10 + 10) * 4
+    assert r.optimizer_state == {"momentum_buffer": size}
+    # No forward outside the transform: the step's peak is its gradients' arrival before the update.
+    assert r.peak.bytes == {**dict.fromkeys(r.peak.bytes, 0), "parameters": size, "gradients": size,
+                            "optimizer_state": size}
+
+
 def test_explicit_optimizer():
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
