@@ -16,7 +16,7 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["LOWER_PRECISION", "FP32", "FP32_SET_OPT_DTYPE", "PROMOTE", "AutocastPolicy"]
+__all__ = ["LOWER_PRECISION", "FP32", "FP32_SET_OPT_DTYPE", "PROMOTE", "TORCHVISION_FP32", "AutocastPolicy"]
 
 # The lists of aten/src/ATen/autocast_mode.h (AT_FORALL_LOWER_PRECISION_FP,
 # AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE), named as
@@ -58,6 +58,12 @@ FP32_SET_OPT_DTYPE = frozenset(
 PROMOTE = frozenset(
     "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot scatter_add".split()
 )
+
+
+#: torchvision's ops with an autocast kernel of their own (torchvision/csrc/ops/autocast/): their
+#: floating inputs cast to float32, the op run without autocast, the output cast back to the
+#: input's dtype (nms returns indices).
+TORCHVISION_FP32 = frozenset("roi_align ps_roi_align roi_pool ps_roi_pool deform_conv2d nms".split())
 
 
 def _eligible(t: Any, device_type: str) -> bool:
@@ -106,6 +112,14 @@ class AutocastPolicy:
                 return self._cast(torch.float32, args, kwargs)
             return self._cast(low, args, kwargs) if floats else None
         return None
+
+    def torchvision(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Call torchvision's op ``func`` (one of :data:`TORCHVISION_FP32`) as its autocast kernel does."""
+        dtype = args[0].dtype
+        args, kwargs = self._cast(torch.float32, args, kwargs)
+        with torch.autocast("cuda", enabled=False):
+            out = func(*args, **kwargs)
+        return out if func.__name__ == "nms" or not out.is_floating_point() else out.to(dtype)
 
     def _cast(self, dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         def cast(t: Any) -> Any:

@@ -544,12 +544,14 @@ class _Schedule:
         if name is None:
             return
         failing = [name]
-        if _micro_batches(self.plans[name]) > 1:
+        k = _micro_batches(self.plans[name])
+        if k > 1:
             # The step saw 1/K of its batch where memprof could cut it (see _MicroBatchCut); what it
-            # could not (a batch of another size, made another way) fails the other accumulation plans alike.
+            # could not (a batch of another size, made another way) fails the plans with as many
+            # micro-batches or more alike. Fewer may run (BatchNorm refuses a micro-batch of one).
             message += (" (memprof runs 1/K of the batch to simulate K micro-batches, cutting its tensors where "
                         "they reach the device, and the script's step could not follow)")
-            failing += [p for p in self.pending() if p != name and _micro_batches(self.plans[p]) > 1]
+            failing += [p for p in self.pending() if p != name and _micro_batches(self.plans[p]) >= k]
         for plan in failing:
             self.failed[plan] = message
             self._advance(plan)

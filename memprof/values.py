@@ -124,6 +124,8 @@ class Values(TorchDispatchMode):
         if func in _NO_META:
             return _NO_META[func](*args, **kwargs)
         known = all(self._has(t) for t in metas)
+        if func in _READS:  # a value for the host (C++'s item(), torch.equal): the shadows', else made up
+            return func(*map_leaves(self._cpu, args), **kwargs) if known else _READS[func](*args, **kwargs)
         if (not known and func in _OVERWRITES and _whole(args[0], self.limit)
                 and all(self._has(t) for t in metas[1:])):
             # Every element of the target written from known values (an empty tensor filled, copied
@@ -132,11 +134,17 @@ class Values(TorchDispatchMode):
             host = torch.zeros(args[0].shape, dtype=args[0].dtype, device=_CPU)
             self._keep(out, func(host, *map_leaves(self._cpu, args[1:]), **_host(map_leaves(self._cpu, kwargs))))
             return out
+        bound = _BOUNDED.get(func._schema.name) if not known else None
+        if bound is not None and func._overloadname != "out":
+            return bound(func, *args, **kwargs)
         if torch.Tag.dynamic_output_shape in func.tags:
-            if not known and func in _BOUNDED:
-                return _BOUNDED[func](*args, **kwargs)
             if not known:
-                raise UnknownValues(_unknown(func))
+                try:  # the shapes may decide all the same (x[idx] with integer indices)
+                    return func(*args, **kwargs)
+                except (NotImplementedError, RuntimeError) as exc:
+                    if "meta" not in str(exc).lower():
+                        raise
+                raise UnknownValues(_unknown(func)) from None
             result = func(*map_leaves(self._cpu, args), **_host(map_leaves(self._cpu, kwargs)))
             out = map_leaves(_meta_like, result)
             self._keep(out, result)
@@ -225,11 +233,97 @@ def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, 
     return out
 
 
-#: Operators whose output shape depends on values, with an upper bound for when they are unknown.
-_BOUNDED = {torch.ops.aten._ctc_loss.Tensor: _ctc_loss, torch.ops.aten._ctc_loss.default: _ctc_loss}
-#: Operators without a meta kernel, as CUDA's kernels allocate (through the modes below this one).
+_warned: set[str] = set()
+
+
+def _every_element(what: str, assumption: str = "every element were selected") -> None:
+    if what not in _warned:  # once a process: every step, every plan does it again
+        _warned.add(what)
+        log.warning("%s on values the simulation does not follow (computed from large tensors): sized as if %s, "
+                    "an upper bound", what, assumption)
+
+
+def _nonzero(func, self):
+    """``nonzero`` (``torch.where(mask)``, ``argwhere``): every element nonzero."""
+    _every_element("nonzero (torch.where(mask))", "every element were nonzero")
+    return self.new_empty((self.numel(), self.dim()), dtype=torch.long)
+
+
+def _index(func, self, indices):
+    """``x[mask]``: the mask taken all true, as ``nonzero`` of it would index (integer indices keep
+    their shapes: the meta kernel sizes them)."""
+    if not any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return func(self, indices)
+    _every_element("x[mask]")
+    full = []
+    for i in indices:
+        if i is not None and i.dtype in (torch.bool, torch.uint8):
+            full += [i.new_empty((i.numel(),), dtype=torch.long)] * i.dim()
+        else:
+            full.append(i)
+    return func(self, full)
+
+
+def _masked_select(func, self, mask):
+    _every_element("masked_select")
+    return self.new_empty((torch.broadcast_shapes(self.shape, mask.shape).numel(),))
+
+
+def _unique(func, self, *args, **kwargs):
+    """``unique`` and ``unique_consecutive`` over all elements: every element distinct; the inverse
+    indices and counts as CUDA's kernels make them when asked for (Unique.cu), else empty."""
+    names = [a.name for a in func._schema.arguments]
+    given = {**dict(zip(names, (self, *args))), **kwargs}
+    if given.get("dim") is not None:  # unique rows or columns: not bounded here
+        raise UnknownValues(_unknown(func))
+    _every_element("unique", "every element were distinct")
+    inverse, counts = given.get("return_inverse", False), given.get("return_counts", False)
+    n = self.numel()
+    outs = [self.new_empty((n,)), self.new_empty(self.shape if inverse else (0,), dtype=torch.long)]
+    if len(func._schema.returns) == 3:
+        outs.append(self.new_empty((n,) if counts else (0,), dtype=torch.long))
+    return tuple(outs)
+
+
+def _nms(func, boxes, scores, iou_threshold):
+    """torchvision's ``nms``: every box kept."""
+    _every_element("torchvision's nms", "every box were kept")
+    return boxes.new_empty((boxes.shape[0],), dtype=torch.long)
+
+
+#: Operators whose output shape depends on values, with an upper bound for when they are
+#: unknown, by name (torchvision's without importing it).
+_BOUNDED = {"aten::_ctc_loss": lambda func, *a, **k: _ctc_loss(*a, **k), "aten::nonzero": _nonzero,
+            "aten::index": _index, "aten::masked_select": _masked_select, "aten::_unique": _unique,
+            "aten::_unique2": _unique, "aten::unique_consecutive": _unique,
+            "torchvision::nms": _nms}
+
+
+def _sample_like(self, *args, **kwargs):
+    return self.new_empty(self.shape)
+
+
+def _binomial(count, prob, generator=None):
+    return count.new_empty(torch.broadcast_shapes(count.shape, prob.shape))
+
+
+#: Operators without a meta kernel, as CUDA's kernels allocate (through the modes below this one):
+#: CTC's backward, and the samplers of torch.distributions' Beta, Dirichlet and Binomial.
 _NO_META = {torch.ops.aten._ctc_loss_backward.Tensor: _ctc_loss_backward,
-            torch.ops.aten._ctc_loss_backward.default: _ctc_loss_backward}
+            torch.ops.aten._ctc_loss_backward.default: _ctc_loss_backward,
+            torch.ops.aten._sample_dirichlet.default: _sample_like,
+            torch.ops.aten.binomial.default: _binomial}
+
+
+def _made_up_scalar(t: torch.Tensor) -> Any:
+    # As VirtualCUDA's .item() of an unknown tensor: False for truth tests, else one.
+    return False if t.dtype is torch.bool else 1 if not t.is_floating_point() and not t.is_complex() else 1.0
+
+
+#: Operators that hand values to the host, called from C++ (``allclose``'s and ``istft``'s checks):
+#: the shadows' values, else a made-up one as for ``.item()`` from Python.
+_READS = {torch.ops.aten._local_scalar_dense.default: _made_up_scalar,
+          torch.ops.aten.equal.default: lambda a, b: a.shape == b.shape and a.dtype == b.dtype}
 
 
 def _unknown(func) -> str:

@@ -51,7 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _foreach_utils
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .autocast_policy import AutocastPolicy, cross_entropy_loss
+from .autocast_policy import TORCHVISION_FP32, AutocastPolicy, cross_entropy_loss
 from .cuda_api import TENSOR_API, CudaRuntime
 from .devices import GPU, get_gpu
 from .sdpa import Environment
@@ -155,6 +155,9 @@ class _Mode(TorchFunctionMode):
         if name == "cross_entropy_loss" and torch.is_autocast_enabled("cuda"):
             with self:  # composed from torch functions, which meet the policy
                 return cross_entropy_loss(*args, **kwargs)
+        if (name in TORCHVISION_FP32 and isinstance(func, torch._ops.OpOverloadPacket)
+                and func._qualified_op_name.startswith("torchvision::") and torch.is_autocast_enabled("cuda")):
+            return self.autocast.torchvision(func, args, kwargs)
         casted = self.autocast(name, args, kwargs)
         if casted is not None:
             args, kwargs = casted

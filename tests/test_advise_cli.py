@@ -438,6 +438,35 @@ def test_accumulation_that_cannot_follow_says_so(tmp_path):
     assert "The size of tensor a (64) must match the size of tensor b (128)" in data["failed"]["accum2"]
 
 
+def test_a_micro_batch_too_small_fails_only_plans_that_small(tmp_path):
+    # A batch of 8 cut in 8 is a micro-batch of one, which BatchNorm after a global pool
+    # refuses, as on a GPU; 2 and 4 micro-batches run, with checkpointing too.
+    script = tmp_path / "train.py"
+    script.write_text("\n".join([
+        "import torch, torch.nn as nn",
+        "class Block(nn.Module):",
+        "    def __init__(self):",
+        "        super().__init__(); self.body = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())",
+        "    def forward(self, x):",
+        "        return x + self.body(x)",
+        "model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), *[Block() for _ in range(3)], nn.AdaptiveAvgPool2d(1),",
+        "                      nn.Conv2d(16, 16, 1), nn.BatchNorm2d(16), nn.Flatten(), nn.Linear(16, 10)).cuda()",
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
+        "for step in range(8):",
+        "    x, y = torch.randn(8, 3, 64, 64, device='cuda'), torch.randint(0, 10, (8,), device='cuda')",
+        "    nn.functional.cross_entropy(model(x), y).backward()",
+        "    opt.step(); opt.zero_grad()",
+    ]) + "\n")
+    out = tmp_path / "advice.json"
+    r = memprof("advise", script, "--budget", "24GiB", "--target", "h200", "--json", out)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert {"accum8", "ckpt+accum8", "bf16+accum8"} <= set(data["failed"])
+    assert all(p.endswith("accum8") for p in data["failed"] if "accum" in p), data["failed"]
+    assert "Expected more than 1 value per channel when training" in data["failed"]["accum8"]
+    assert {"accum2", "accum4", "ckpt+accum2", "ckpt+accum4"} <= {p["plan"] for p in data["plans"]}
+
+
 def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
     import torch
 

@@ -87,11 +87,34 @@ def test_a_large_factory_is_never_computed_on_the_host():
     assert max(HostWork.sizes) == LIMIT  # the small one's values
 
 
-def test_value_shaped_ops_on_unknown_values_raise():
+def test_value_shaped_ops_on_unknown_values_take_their_upper_bound():
+    """A mask, nonzero or unique of values the simulation does not follow (a metric's
+    ``pred[valid]``, torchvision's detection heads): sized for every element selected;
+    integer indices (``x[scores.topk(k).indices]``) by their shapes, as on the GPU."""
     with VirtualCUDA("h200"):
-        big = torch.randn(LIMIT, device="cuda")
-        with pytest.raises(UnknownValues, match=r"aten.nonzero makes an output whose shape depends"):
-            big.nonzero()
+        big = torch.randn(LIMIT, device="cuda")  # 4 MiB: not followed
+        assert big[big > 0].shape == (LIMIT,)
+        assert big.view(1024, -1)[big.view(1024, -1)[:, 0] > 0].shape == (1024, LIMIT // 1024)
+        assert big.nonzero().shape == (LIMIT, 1) and torch.where(big.view(2, -1) > 0)[1].shape == (LIMIT,)
+        assert torch.masked_select(big, big > 0).shape == (LIMIT,)
+        out, inverse, counts = torch.unique(big.long(), return_inverse=True, return_counts=True)
+        assert (out.shape, inverse.shape, counts.shape) == ((LIMIT,), (LIMIT,), (LIMIT,))
+        assert big[big.topk(10).indices].shape == (10,)
+        with pytest.raises(UnknownValues, match=r"aten.bincount makes an output whose shape depends"):
+            torch.bincount(big.long())
+
+
+def test_samplers_without_meta_kernels():
+    """torch.distributions' Beta, Dirichlet and Binomial sample with kernels that have no meta
+    implementation; a check inside a kernel (allclose, istft) reads values through C++'s item()."""
+    with VirtualCUDA("h200"):
+        one = torch.ones(600, 600, device="cuda")  # 1.4 MiB: not followed
+        assert torch.distributions.Beta(one, one).sample().shape == (600, 600)
+        assert torch.distributions.Dirichlet(one).sample().shape == (600, 600)
+        assert torch.distributions.Binomial(10, probs=one / 2).sample().shape == (600, 600)
+        window = torch.hann_window(512, device="cuda")
+        spec = torch.stft(torch.randn(8, 16000, device="cuda"), 512, 128, window=window, return_complex=True)
+        assert torch.istft(spec, 512, 128, window=window).shape == (8, 16000)  # centred: as long as the input
 
 
 def test_host_work_is_left_alone():
@@ -137,3 +160,18 @@ def test_uninitialised_memory_has_no_values_until_every_element_is_written(monke
         monkeypatch.setattr(torch, "zeros", lambda *a, **k: made.append(a) or zeros(*a, **k))
         big.fill_(1.0)
         assert gpu.values.shadow(big) is None and made == []
+
+
+def test_torchvision_detection_ops_under_autocast():
+    """torchvision's roi_align and nms run as their autocast kernels do (inputs cast to float32,
+    roi_align's output back to the features' dtype; Mask R-CNN stopped: "Expected tensor for input
+    to have the same type as tensor for rois"); nms of boxes scored by the model keeps every box."""
+    torchvision = pytest.importorskip("torchvision")
+    with VirtualCUDA("h200"), torch.autocast("cuda", dtype=torch.float16):
+        features = torch.nn.Conv2d(256, 256, 3, padding=1).cuda()(torch.randn(2, 256, 64, 64, device="cuda"))
+        rois = torch.rand(512, 5, device="cuda") * 64
+        pooled = torchvision.ops.roi_align(features, rois, (7, 7), 0.25, 2)
+        assert features.dtype is torch.float16 and (pooled.dtype, pooled.shape) == (torch.float16, (512, 256, 7, 7))
+        boxes = torch.rand(40000, 4, device="cuda")  # 625 KiB: followed, but scores from the model are not
+        scores = torch.nn.Linear(256, 1).cuda()(torch.randn(40000, 256, device="cuda")).squeeze(1)
+        assert torchvision.ops.nms(boxes, scores.float(), 0.7).shape == (40000,)
