@@ -320,7 +320,7 @@ def _made_up_scalar(t: torch.Tensor) -> Any:
     return False if t.dtype is torch.bool else 1 if not t.is_floating_point() and not t.is_complex() else 1.0
 
 
-#: Operators that hand values to the host, called from C++ (``allclose``'s and ``istft``'s checks):
+#: Operators that hand values to the host, called from C++ (``istft``'s checks of its window):
 #: the shadows' values, else a made-up one as for ``.item()`` from Python.
 _READS = {torch.ops.aten._local_scalar_dense.default: _made_up_scalar,
           torch.ops.aten.equal.default: lambda a, b: a.shape == b.shape and a.dtype == b.dtype}

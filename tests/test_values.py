@@ -106,7 +106,7 @@ def test_value_shaped_ops_on_unknown_values_take_their_upper_bound():
 
 def test_samplers_without_meta_kernels():
     """torch.distributions' Beta, Dirichlet and Binomial sample with kernels that have no meta
-    implementation; a check inside a kernel (allclose, istft) reads values through C++'s item()."""
+    implementation; a check inside a kernel (istft's) reads values through C++'s item()."""
     with VirtualCUDA("h200"):
         one = torch.ones(600, 600, device="cuda")  # 1.4 MiB: not followed
         assert torch.distributions.Beta(one, one).sample().shape == (600, 600)
