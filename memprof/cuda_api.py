@@ -59,7 +59,7 @@ class CudaRuntime:
             "device_count": lambda: 1,
             "current_device": lambda: 0,
             "set_device": lambda device: None,
-            "synchronize": lambda device=None: None,
+            "synchronize": self._call("synchronize"),
             "ipc_collect": lambda: None,
             "get_device_name": lambda device=None: gpu.name,
             "get_device_capability": lambda device=None: gpu.compute_capability,
@@ -124,7 +124,7 @@ class CudaRuntime:
             "device_index": _NoDevice,
             "current_stream": lambda device=None: _STREAM,
             "set_stream": lambda stream: None,
-            "synchronize": lambda device=None: None,
+            "synchronize": self._call("synchronize"),
             **self._memory(),
             "get_memory_info": _ignoring_args(vc.mem_get_info),
         }
@@ -146,8 +146,8 @@ class CudaRuntime:
         return _ignoring_args(lambda: getattr(self.allocator.user_read(), field) if self.allocator is not None else 0)
 
     def _call(self, method: str) -> Callable[..., None]:
-        """A call of the allocator's ``method`` (nothing without an allocator)."""
-        return _ignoring_args(lambda: getattr(self.allocator, method)() if self.allocator is not None else None)
+        """A call of the allocator's ``method`` (nothing without an allocator, or one without it)."""
+        return _ignoring_args(lambda: getattr(self.allocator, method, _nothing)())
 
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) as ``cudaMemGetInfo`` would answer on the target: total less what is in use."""
@@ -179,6 +179,10 @@ class CudaRuntime:
 
     def clock(self) -> float:
         return self.allocator.clock() if self.allocator is not None else 0.0
+
+
+def _nothing() -> None:
+    return None
 
 
 def _ignoring_args(answer: Callable[[], Any]) -> Callable[..., Any]:
@@ -260,7 +264,7 @@ class _Event:
         return True
 
     def synchronize(self) -> None:
-        return None
+        self._clock()  # the host waits for the device (the simulated clocks meet)
 
     def elapsed_time(self, end: "_Event") -> float:
         """Milliseconds, as CUDA events report them."""

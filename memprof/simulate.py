@@ -279,6 +279,13 @@ class SimulatedAllocator(TorchDispatchMode):
         if self.trace is not None:
             self.trace.append((0, nbytes, -3 if synchronize else -2, False, backward, recompute, host_ops, 0))
 
+    def synchronize(self, nbytes: int = 0) -> None:
+        """The host waits for the device: a value read back (``.item()``, ``bool()``, ``.cpu()``:
+        ``nbytes`` copied, then the stream synchronised), an operator whose output size CUDA
+        reads back (``nonzero``, ``x[mask]``), ``torch.cuda.synchronize()``. Until the device
+        is done the host issues nothing, so the work before and after no longer overlaps."""
+        self.transfer(nbytes, self.gpu.pcie_bandwidth, synchronize=True)
+
     # -- the counters memprof.track reads --------------------------------------
     def read(self) -> Counters:
         m = self.model

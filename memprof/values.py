@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -88,9 +88,12 @@ class Values(TorchDispatchMode):
         # simulation (see SimulatedAllocator._should_skip_dynamo).
         return False
 
-    def __init__(self, limit: int = LIMIT) -> None:
+    def __init__(self, limit: int = LIMIT, synchronize: Callable[[int], None] | None = None) -> None:
         super().__init__()
         self.limit = limit
+        #: Called with the bytes read back where CUDA's kernel makes the host wait for a size
+        #: it computed (``nonzero``, ``x[mask]``, ``unique``): the simulated clocks meet there.
+        self.synchronize = synchronize
         self._shadows: dict[weakref.ref, torch.UntypedStorage] = {}
 
     # -- reading ---------------------------------------------------------------
@@ -106,6 +109,13 @@ class Values(TorchDispatchMode):
     # -- following operators -----------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        out = self._follow(func, args, kwargs)
+        if self.synchronize is not None and _reads_size_back(func, args) and any(
+                isinstance(t, torch.Tensor) and t.is_meta for t in tensors(out)):
+            self.synchronize(8)
+        return out
+
+    def _follow(self, func, args: tuple, kwargs: dict):
         flat = list(leaves(args, kwargs))
         metas = [a for a in flat if isinstance(a, torch.Tensor) and a.is_meta]
         on_meta = metas or any(a == _META for a in flat if isinstance(a, torch.device))
@@ -197,6 +207,23 @@ class Values(TorchDispatchMode):
 
     def _forget(self, key: weakref.ref) -> None:
         self._shadows.pop(key, None)
+
+
+_INDEX_PUT = {"aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+
+
+def _masks(indices: Any) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+
+
+def _reads_size_back(func, args: tuple) -> bool:
+    """Whether CUDA's kernel for this call copies a size to the host and waits for it: the
+    value-shaped operators (``nonzero``, ``unique``, ``masked_select``), and indexing by a mask
+    (``x[mask]``, ``x[mask] = v``: a ``nonzero`` of the mask first); integer indices do not."""
+    name = func._schema.name
+    if name == "aten::index" or name in _INDEX_PUT:
+        return len(args) > 1 and _masks(args[1])
+    return torch.Tag.dynamic_output_shape in func.tags
 
 
 def _host(kwargs: dict) -> dict:

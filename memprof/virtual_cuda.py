@@ -106,7 +106,7 @@ class _Mode(TorchFunctionMode):
 
     def _leave(self, t: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         """``t.to("cpu", ...)``: the values where known or small, else ``t`` itself (too large to make up)."""
-        out = _host_copy(self.vc, t)
+        out = _host_copy(self.vc, t, wait=not kwargs.get("non_blocking", False))
         dtype = kwargs.get("dtype", next((a for a in args if isinstance(a, torch.dtype)), None))
         return out.to(dtype) if dtype is not None and not out.is_meta else out
 
@@ -233,10 +233,22 @@ def _on_meta(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_meta
 
 
+def _read_back(vc: "VirtualCUDA", t: torch.Tensor, wait: bool = True) -> None:
+    """A device tensor's values go to the host: a copy, which the host waits for unless
+    ``non_blocking``."""
+    nbytes = t.numel() * t.element_size()
+    if not wait:
+        if hasattr(vc.allocator, "transfer"):
+            vc.allocator.transfer(nbytes, vc.gpu.pcie_bandwidth)
+    elif hasattr(vc.allocator, "synchronize"):
+        vc.allocator.synchronize(nbytes)
+
+
 def _scalar(vc: "VirtualCUDA", t: torch.Tensor, name: str) -> Any:
     # A known value where the tensor is small enough to be followed; else one,
     # not zero (a step counter or a norm read back for a division must not
     # divide by zero), and False for truth tests (no NaN found, no early stop).
+    _read_back(vc, t)
     known = vc.values.shadow(t)
     if known is not None:
         return getattr(known, name)()
@@ -247,9 +259,10 @@ def _scalar(vc: "VirtualCUDA", t: torch.Tensor, name: str) -> Any:
     return 1.0
 
 
-def _host_copy(vc: "VirtualCUDA", t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _host_copy(vc: "VirtualCUDA", t: torch.Tensor, wait: bool = True) -> torch.Tensor:
     """``.cpu()`` / ``.numpy()`` / ``.tolist()`` of a simulated tensor: its values, else ones, else (too large
     to make up) the meta tensor itself."""
+    _read_back(vc, t, wait)
     known = vc.values.shadow(t)
     if known is not None:
         return known.clone()
@@ -335,7 +348,7 @@ class VirtualCUDA:
         self.gpu = get_gpu(target)
         self.allocator = allocator
         self.runtime = CudaRuntime(self.gpu, allocator)
-        self.values = Values()
+        self.values = Values(synchronize=getattr(allocator, "synchronize", None))
         self.sdpa = Environment.of(self.gpu)
         #: What the script asked for that runs differently here (e.g. torch.compile), for the report.
         self.notes: dict[str, str] = {}

@@ -511,3 +511,41 @@ def test_a_step_that_frees_an_earlier_block_is_not_replayed_and_leaves_the_model
     before = (model.allocated, model.reserved, model.num_live)
     assert replay_step(model, events) is None
     assert (model.allocated, model.reserved, model.num_live) == before == (1 << 20, 2 << 20, 1)
+
+
+def test_reading_values_back_makes_the_host_wait():
+    """A value read back (``.item()``, ``bool()``, ``.cpu()``), a mask's indexing (CUDA copies the
+    count back) and ``torch.cuda.synchronize()`` bring the clocks together: the host waits until
+    the device is done; integer indexing and a non-blocking copy do not."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = get_gpu("H200-141GB")
+    alloc = SimulatedAllocator(gpu)
+    tm = alloc.time_model
+    with VirtualCUDA(gpu, allocator=alloc):
+        x = torch.empty(8192, 8192, device="cuda")
+        idx = torch.arange(10, device="cuda")
+
+        def lag(work) -> tuple[float, float]:
+            alloc.clock()
+            work()
+            return alloc.device - alloc.host, alloc.host
+
+        def product():
+            return x @ x  # ~2.3 ms on the device, issued in microseconds
+
+        assert lag(product)[0] > 1e-3
+        for read in (lambda: product().sum().item(), lambda: bool(product().sum() > 0),
+                     lambda: product()[0, :1].cpu(), lambda: (product(), torch.cuda.synchronize()),
+                     lambda: product()[x[:, 0] > 0]):
+            assert lag(read)[0] == 0.0
+        assert lag(lambda: product()[idx])[0] > 1e-3
+        assert lag(lambda: product()[0, :1].to("cpu", non_blocking=True))[0] > 1e-3
+        # the item: the product, the sum, then one host operator and 4 bytes back, waited for
+        start = alloc.clock()
+        y = product().sum()
+        issued, done = alloc.host, alloc.device
+        y.item()
+        assert alloc.host == alloc.device == done + 4 / (gpu.pcie_bandwidth * tm.link_efficiency)
+        assert issued - start < 1e-3
