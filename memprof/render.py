@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Iterator
 
 from rich.console import Console, RenderableType
@@ -78,18 +79,51 @@ def module_tree(report: "Report", max_depth: int = 3, min_share: float = 0.01, o
     rows = df[list(columns)].astype("int64").to_dict(orient="index")
     grand = sum(rows[names[0]].values())
 
-    def label(n: str) -> str:
-        cells = "  ".join(f"{columns[c]} {fmt_bytes(b)}" for c, b in rows[n].items() if b)
-        return f"[bold]{n.rsplit('.', 1)[-1]}[/] ({df.at[n, 'type']})  {cells}"
-
-    nodes = {names[0]: tree.add(label(names[0]))}
+    children: dict[str, list[str]] = {n: [] for n in names}
+    shown = {names[0]}
     for n in names[1:]:
         parent = n.rpartition(".")[0]
-        depth = n.count(".")
-        if parent not in nodes or depth > max_depth or sum(rows[n].values()) < min_share * grand:
-            continue
-        nodes[n] = nodes[parent].add(label(n))
+        if parent in shown and n.count(".") <= max_depth and sum(rows[n].values()) >= min_share * grand:
+            shown.add(n)
+            children[parent].append(n)
+
+    def cells(n: str) -> str:
+        return "  ".join(f"{columns[c]} {fmt_bytes(b)}" for c, b in rows[n].items() if b)
+
+    @functools.cache
+    def shape(n: str) -> tuple:
+        """What a module shows: its class, cells and submodules' (their names relative)."""
+        return (df.at[n, "type"], tuple(rows[n].values()),
+                tuple((c.rsplit(".", 1)[-1], shape(c)) for c in children[n]))
+
+    def add(node: Tree, n: str, name: str | None = None) -> None:
+        branch = node.add(name or f"[bold]{n.rsplit('.', 1)[-1]}[/] ({df.at[n, 'type']})  {cells(n)}")
+        for first, run in _runs(children[n], shape):
+            if len(run) == 1:
+                add(branch, first)
+                continue
+            # A stack of identical blocks (a transformer's layers at the end of the forward): one line for all.
+            span = f"{first.rsplit('.', 1)[-1]}-{run[-1].rsplit('.', 1)[-1]}"
+            add(branch, first, f"[bold]{span}[/] ({df.at[first, 'type']} x{len(run)}, each)  {cells(first)}")
+
+    add(tree, names[0])
     return tree
+
+
+def _runs(names: list[str], shape) -> Iterator[tuple[str, list[str]]]:
+    """``names`` in order, consecutive numbered siblings that show the same grouped together."""
+    run: list[str] = []
+    for n in names:
+        last = run[-1].rsplit(".", 1)[-1] if run else None
+        index = n.rsplit(".", 1)[-1]
+        if run and last.isdigit() and index.isdigit() and int(index) == int(last) + 1 and shape(n) == shape(run[0]):
+            run.append(n)
+            continue
+        if run:
+            yield run[0], run
+        run = [n]
+    if run:
+        yield run[0], run
 
 
 def render_report(report: "Report") -> Iterator[RenderableType]:

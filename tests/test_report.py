@@ -145,3 +145,27 @@ def test_old_schema_is_refused(report):
     d["schema"] = 1  # phases as "forward:<module>", module rows over the step
     with pytest.raises(ValueError, match="schema 1 is not supported"):
         Report.from_dict(d)
+
+
+def test_module_tree_folds_a_stack_of_identical_blocks():
+    """Twelve transformer layers that hold the same are one line, not twelve."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)], nn.Linear(256, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.track(model, opt) as prof:
+        for _ in range(3):
+            model(torch.randn(512, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    console = Console(width=200, record=True, color_system=None)
+    console.print(memprof.render.module_tree(prof.report()))
+    lines = console.export_text().splitlines()
+    # at the peak (the last Linear's backward) each block holds 256 x 256 + 256 fp32 parameters
+    # and its ReLU's output (512 x 256 fp32), which the next layer saved
+    block = next(line for line in lines if "(Sequential x4, each)" in line)
+    assert block.split("──")[1].startswith(" 0-3 (Sequential x4, each)")
+    assert block.endswith("params 257.00 KiB  activ 512.00 KiB")
+    assert any(" 4 (Linear)" in line for line in lines) and not any(" 1 (Sequential)" in line for line in lines)
+    assert sum(" 0 (Linear)" in line for line in lines) == 1  # the first block's own submodules stand for all
