@@ -433,8 +433,13 @@ class SimulatedAllocator(TorchDispatchMode):
             if self.events is not None:
                 self.events.append(("f", handle))
 
+    #: Higher-order operators (flex attention) come to this mode too (see _higher_order).
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return self._higher_order(func, args, kwargs)
         out, cost = KERNELS.run(func, args, kwargs, _cost)
         copies: list[int] = []
         if func in CONVOLUTIONS and args[1].is_meta:
@@ -469,17 +474,49 @@ class SimulatedAllocator(TorchDispatchMode):
                 self.trace.append((0, 0, -1, conv, backward, recompute, 1, 0))
             return out
         tf32 = torch.backends.cudnn.allow_tf32 if conv else matmul and torch.backends.cuda.matmul.allow_tf32
+        self._launch(flops, nbytes, dtype, tf32, conv, kind, [h for h in made if h is not None], host)
+        return out
+
+    def _launch(self, flops: int, nbytes: int, dtype: torch.dtype | None, tf32: bool, conv: bool, kind: int,
+                made: list[int], host: float) -> None:
+        """A kernel the host issued (for ``host`` seconds): the device runs it once issued and free."""
+        backward = torch._C._current_graph_task_id() != -1
         seconds = self.time_model.seconds(self.gpu, flops, nbytes, dtype, tf32, kind)
         self.device = max(self.device, self.host) + seconds
         self.busy += seconds
         if self.events is not None:
-            self.events.append(("k", seconds, [h for h in made if h is not None], host))
+            self.events.append(("k", seconds, made, host))
         self.flops += flops
         self.bytes_moved += nbytes
         self.kernels += 1
         if self.trace is not None:
-            self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0), conv, backward, recompute, 1,
-                               kind))
+            self.trace.append((flops, nbytes, 2 if dtype in _HALF else (1 if tf32 else 0), conv, backward,
+                               backward and torch.is_grad_enabled(), 1, kind))
+
+    def _higher_order(self, func, args: tuple, kwargs: dict) -> Any:
+        """A higher-order operator (flex attention's, forward and backward): the outputs of its
+        fused kernel, as the fake implementation PyTorch registers for it makes them (on a GPU it
+        runs compiled: torch.compile's Triton kernel, which keeps no scores), and its time as an
+        attention kernel's, every query against every key (its block mask's sparsity unknown)."""
+        from torch._higher_order_ops import utils
+
+        fake = getattr(utils, "registered_hop_fake_fns", {}).get(func)
+        if fake is None:
+            raise NotImplementedError(
+                f"{func.name()} (a higher-order operator) has no fake implementation to size its outputs with: "
+                "memprof cannot simulate it; measure on a GPU")
+        with self:
+            out = fake(*args, **kwargs)
+        q, v = args[0], args[2]
+        # FlashAttention-2's count: 2 products forward; backward 2.5 times the forward's.
+        flops = 4 * q.shape[0] * q.shape[1] * q.shape[2] * v.shape[2] * q.shape[3]
+        if "backward" in func.name():
+            flops = flops * 5 // 2
+        nbytes = sum(t.numel() * t.element_size() for t in (*tensors(args[:7]), *tensors(out)))
+        backward = torch._C._current_graph_task_id() != -1
+        host = self.time_model.host_seconds(False, backward, backward and torch.is_grad_enabled())
+        self.host += host
+        self._launch(flops, nbytes, q.dtype, False, False, ATTENTION, [], host)
         return out
 
 

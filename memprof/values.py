@@ -106,9 +106,14 @@ class Values(TorchDispatchMode):
             return None
         return torch.empty(0, dtype=t.dtype, device=_CPU).set_(storage, t.storage_offset(), t.size(), t.stride())
 
+    #: Higher-order operators (flex attention) pass through to the modes below.
+    supports_higher_order_operators = True
+
     # -- following operators -----------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         out = self._follow(func, args, kwargs)
         if self.synchronize is not None and _reads_size_back(func, args) and any(
                 isinstance(t, torch.Tensor) and t.is_meta for t in tensors(out)):

@@ -42,6 +42,7 @@ import importlib
 import logging
 import os
 import sys
+import warnings
 from contextlib import ExitStack
 from types import FunctionType
 from typing import Any, Callable
@@ -427,6 +428,10 @@ class VirtualCUDA:
             # positive): values a simulation does not have (a large tensor's bool() is False), so
             # every check would fail. Its checks change no memory that stays; they are left out.
             stack.enter_context(_replace(torch.distributions.Distribution, "_validate_args", False))
+            # torch.compile runs eagerly here, so flex attention warns that it was not compiled;
+            # it is simulated as its compiled, fused kernel (SimulatedAllocator._higher_order).
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             if self.allocator is not None:
                 stack.enter_context(_replace(torch.UntypedStorage, "resize_", _resizing(self.allocator)))
                 stack.enter_context(self.allocator)

@@ -549,3 +549,32 @@ def test_reading_values_back_makes_the_host_wait():
         y.item()
         assert alloc.host == alloc.device == done + 4 / (gpu.pcie_bandwidth * tm.link_efficiency)
         assert issued - start < 1e-3
+
+
+def test_flex_attention_as_its_fused_kernel():
+    """FlexAttention is a higher-order operator, which the simulated GPU's modes did not take
+    ("There was no rule registered for HigherOrderOperator flex_attention"): its outputs as
+    PyTorch's fake implementation makes them (the compiled kernel keeps no scores: a 2 x 8 x
+    4096 x 4096 float score matrix would be 1 GiB), its time an attention kernel's."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from memprof.devices import get_gpu
+    from memprof.simulate import ATTENTION, SimulatedAllocator
+
+    gpu = get_gpu("H200-141GB")
+    alloc = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=alloc):
+        q, k, v = (torch.randn(2, 8, 4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        alloc.trace = []
+        before = alloc.read().allocated
+        out = flex_attention(q, k, v)
+        # the output (bf16, 8 MiB) and the logsumexp the backward needs (2 x 8 x 4096 fp32, 256 KiB)
+        assert out.shape == q.shape and out.dtype is torch.bfloat16
+        assert alloc.read().peak_allocated - before < 64 * MiB
+        out.sum().backward()
+        assert q.grad.shape == q.shape and v.grad.shape == v.shape
+        assert alloc.read().peak_allocated - before < 128 * MiB
+    attention = [row for row in alloc.trace if row[7] == ATTENTION]
+    forward = 4 * 2 * 8 * 4096 * 4096 * 64
+    assert [row[0] for row in attention] == [forward, forward * 5 // 2]
