@@ -13,6 +13,7 @@ nothing for it) and one stream has nothing to record.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -22,6 +23,8 @@ import torch
 from .devices import GPU
 
 __all__ = ["CudaRuntime", "TENSOR_API"]
+
+log = logging.getLogger(__name__)
 
 _CUDA0 = torch.device("cuda", 0)
 
@@ -86,6 +89,10 @@ class CudaRuntime:
             "default_stream": lambda device=None: _STREAM,
             "set_stream": lambda stream: None,
             "is_current_stream_capturing": lambda: False,
+            "CUDAGraph": _Graph,
+            "graph": _Capture,
+            "graph_pool_handle": lambda: (0, 0),
+            "make_graphed_callables": _make_graphed_callables,
             **self._memory(),
             "memory_cached": vc._count("reserved"),
             "max_memory_cached": vc._count("peak_reserved"),
@@ -201,6 +208,55 @@ class _NoDevice:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+class _Graph:
+    """``torch.cuda.CUDAGraph`` on the simulated device: what a capture records runs once,
+    eagerly (its memory is the step's); a replay runs nothing again, so the steps a script
+    replays are not seen (only those it ran eagerly, its warm-up's and the capture)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def capture_begin(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def capture_end(self) -> None:
+        return None
+
+    def replay(self) -> None:
+        _replays_not_simulated()
+
+    def reset(self) -> None:
+        return None
+
+    def pool(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def enable_debug_mode(self) -> None:
+        return None
+
+    def debug_dump(self, path: str) -> None:
+        return None
+
+
+class _Capture(_NoDevice):
+    """``with torch.cuda.graph(g):``: the block runs eagerly (see :class:`_Graph`)."""
+
+
+def _make_graphed_callables(callables: Any, sample_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.cuda.make_graphed_callables``: the callables themselves, run eagerly at each call."""
+    return callables
+
+
+_warned_replay: list[bool] = []
+
+
+def _replays_not_simulated() -> None:
+    if not _warned_replay:  # once a process
+        _warned_replay.append(True)
+        log.warning("CUDA graph replays are not simulated: the steps the script runs eagerly (its warm-up, the "
+                    "capture) stand for them")
 
 
 class _Stream:

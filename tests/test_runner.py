@@ -302,6 +302,32 @@ HABITS = {
             loss = F.ctc_loss(lp, targets, torch.full((16,), 200, device="cuda"), torch.randint(30, 60, (16,), device="cuda"))
             loss.backward(); opt.step(); opt.zero_grad()
     """, [80 * 32, 32]),
+    # A whole training step captured in a CUDA graph and replayed (the PyTorch docs' "whole network
+    # capture"): a CPU build has only a dummy torch.cuda.CUDAGraph ("Tried to instantiate dummy
+    # base class CUDAGraph"), a CUDA build without a GPU a driver to miss.
+    "cuda_graph": ("""
+        import torch
+        from torch import nn
+        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), capturable=True)
+        x, y = torch.randn(64, 256, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward(); opt.step()
+            return loss
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_loss = step()
+        for i in range(10):
+            x.copy_(torch.randn(64, 256, device="cuda")); g.replay()
+    """, [256 * 512, 512, 512 * 10, 10]),
     # DP-SGD's per-sample gradients: the model runs only inside torch.func's vmap(grad(...)),
     # whose wrapped tensors have no storage ("Cannot access storage of TensorWrapper").
     "per_sample_gradients": ("""
@@ -327,7 +353,8 @@ def test_habits_that_stopped_the_simulated_gpu(tmp_path, habit, clean):
     """Each stopped the simulation before: "Cannot access storage of SparseTensorImpl",
     "Expected parameter loc ... to satisfy the constraint Real()" (a check of values the
     simulation does not follow fails), "aten._ctc_loss makes an output whose shape depends
-    on the values of its input", "Cannot access storage of TensorWrapper"."""
+    on the values of its input", "Cannot access storage of TensorWrapper", "Tried to instantiate
+    dummy base class CUDAGraph"."""
     source, sizes = HABITS[habit]
     report = observe_script(write(tmp_path, source), steps=3, target="h200")
     # fp32 parameters, each in its own 512-byte-rounded block of the simulated caching allocator
