@@ -268,13 +268,24 @@ class _Observer:
 
     def _find_model(self, opt: torch.optim.Optimizer, quiet: bool = False) -> nn.Module | None:
         """The outermost module called so far that holds most of ``opt``'s parameters
-        (``quiet``: None if there is none, and no warning for a partial one)."""
+        (``quiet``: None if there is none, and no warning for a partial one). Where none
+        holds them all, a module the training loop holds that does, though never called
+        itself: a model trained through its methods (``model.score(u, i)``, CLIP's
+        ``encode_image``), whose submodules are the modules called."""
         wanted = {id(p) for group in opt.param_groups for p in group["params"]}
         best, best_key = None, (0, -1)
         for module, seq in list(self._outermost.items()):
             held = sum(1 for p in module.parameters() if id(p) in wanted)
             if (held, seq) > best_key and held:
                 best, best_key = module, (held, seq)
+        if best_key[0] < len(wanted):
+            for module in _loop_modules(sys._getframe(1)):
+                held = sum(1 for p in module.parameters() if id(p) in wanted)
+                if held == len(wanted) and any(any(c is m for c in module.modules()) for m in self._outermost):
+                    # the smallest that holds them all
+                    if best_key[0] < len(wanted) or sum(1 for _ in module.parameters()) < sum(
+                            1 for _ in best.parameters()):
+                        best, best_key = module, (held, -1)
         if best is None and quiet:
             return None
         if best is None:
@@ -288,6 +299,28 @@ class _Observer:
                 type(best).__name__, best_key[0], len(wanted), type(opt).__name__,
             )
         return best
+
+
+def _loop_modules(frame) -> list[nn.Module]:
+    """The modules the frames of the script's code hold, from ``frame`` outwards: their local
+    variables and, for a method, its object's attributes (a trainer's ``self.model``)."""
+    found: dict[int, nn.Module] = {}
+    while frame is not None:
+        code = frame.f_code.co_filename
+        if not code.startswith(_TORCH_DIR) and not code.startswith(_MEMPROF_DIR):
+            values = list(frame.f_locals.values())
+            owner = frame.f_locals.get("self")
+            if owner is not None and not isinstance(owner, nn.Module):
+                values += list(getattr(owner, "__dict__", {}).values())
+            for v in values:
+                if isinstance(v, nn.Module):
+                    found.setdefault(id(v), v)
+        frame = frame.f_back
+    return list(found.values())
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MEMPROF_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _step_frame(frame):

@@ -126,8 +126,9 @@ class Values(TorchDispatchMode):
         on_meta = metas or any(a == _META for a in flat if isinstance(a, torch.device))
         if not on_meta:
             return func(*args, **kwargs)  # the host's own work: real tensors, real values
-        if any(t.layout is not torch.strided for t in metas):
-            return func(*args, **kwargs)  # sparse tensors (gradients of sparse embeddings): not followed
+        if any(t.layout is not torch.strided for t in metas):  # sparse tensors: not followed
+            sparse = _SPARSE.get(func._schema.name)
+            return sparse(*args, **kwargs) if sparse is not None else func(*args, **kwargs)
         if func is torch.ops.aten.copy_.default and not args[0].is_meta:
             # A copy to the host (``host.copy_(x)`` in Python, DDP's reducer reading back the
             # bucket order it broadcast in C++): the source's values where known, else the host
@@ -317,6 +318,15 @@ def _unique(func, self, *args, **kwargs):
     return tuple(outs)
 
 
+def _bincount(func, self, weights=None, minlength=0):
+    """``bincount(x, minlength=n)``: the values taken below ``minlength``, as its callers mean them
+    (class or node counts); without it there is no bound."""
+    if not minlength:
+        raise UnknownValues(_unknown(func))
+    _every_element("bincount", "every value were below its minlength")
+    return self.new_empty((minlength,), dtype=torch.long if weights is None else weights.dtype)
+
+
 def _nms(func, boxes, scores, iou_threshold):
     """torchvision's ``nms``: every box kept."""
     _every_element("torchvision's nms", "every box were kept")
@@ -328,7 +338,7 @@ def _nms(func, boxes, scores, iou_threshold):
 _BOUNDED = {"aten::_ctc_loss": lambda func, *a, **k: _ctc_loss(*a, **k), "aten::nonzero": _nonzero,
             "aten::index": _index, "aten::masked_select": _masked_select, "aten::_unique": _unique,
             "aten::_unique2": _unique, "aten::unique_consecutive": _unique,
-            "torchvision::nms": _nms}
+            "aten::bincount": _bincount, "torchvision::nms": _nms}
 
 
 def _sample_like(self, *args, **kwargs):
@@ -350,6 +360,27 @@ _NO_META = {torch.ops.aten._ctc_loss_backward.Tensor: _ctc_loss_backward,
 def _made_up_scalar(t: torch.Tensor) -> Any:
     # As VirtualCUDA's .item() of an unknown tensor: False for truth tests, else one.
     return False if t.dtype is torch.bool else 1 if not t.is_floating_point() and not t.is_complex() else 1.0
+
+
+def _coalesce(self):
+    """A sparse COO tensor's ``coalesce()``: no entry taken for a duplicate (an upper bound)."""
+    indices, values = self._indices(), self._values()
+    return torch.sparse_coo_tensor(indices.new_empty(indices.shape), values.new_empty(values.shape), self.shape,
+                                   is_coalesced=True)
+
+
+def _sparse_product(self, *args, **kwargs):
+    """A product with a sparse operand (``torch.sparse.mm(adjacency, x)``, its backward's
+    ``adjacency.t() @ grad``): the dense result, as cuSPARSE writes it."""
+    m1, m2 = (self, args[0]) if len(args) == 1 else args[:2]
+    dense = m2 if m2.layout is torch.strided else m1
+    return dense.new_empty((m1.shape[0], m2.shape[1]))
+
+
+#: Operators on sparse COO tensors that PyTorch's meta kernels lack ("Could not run 'aten::_coalesce'
+#: with arguments from the 'SparseMeta' backend"): a graph's adjacency built by the script.
+_SPARSE = {"aten::_coalesce": _coalesce, "aten::mm": _sparse_product, "aten::addmm": _sparse_product,
+           "aten::_sparse_addmm": _sparse_product, "aten::_sparse_mm": _sparse_product}
 
 
 #: Operators that hand values to the host, called from C++ (``istft``'s checks of its window):

@@ -328,6 +328,25 @@ HABITS = {
         for i in range(10):
             x.copy_(torch.randn(64, 256, device="cuda")); g.replay()
     """, [256 * 512, 512, 512 * 10, 10]),
+    # A model trained through a method of its own, never called itself (a recommender's
+    # score(u, i), CLIP's encode_image): its MLP was taken for the model, the rest temporaries.
+    "trained_through_a_method": ("""
+        import torch
+        from torch import nn
+        class TwoTower(nn.Module):
+            def __init__(s):
+                super().__init__()
+                s.user, s.item = nn.Embedding(1000, 64), nn.Embedding(1000, 64)
+                s.mlp = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+            def score(s, u, i):
+                return (s.mlp(s.user(u)) * s.item(i)).sum(-1)
+        model = TwoTower().cuda()
+        opt = torch.optim.Adam(model.parameters())
+        for step in range(10):
+            u, i = torch.randint(0, 1000, (256,), device="cuda"), torch.randint(0, 1000, (256,), device="cuda")
+            loss = nn.functional.softplus(-model.score(u, i)).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+    """, [1000 * 64, 1000 * 64, 64 * 64, 64, 64 * 64, 64]),
     # DP-SGD's per-sample gradients: the model runs only inside torch.func's vmap(grad(...)),
     # whose wrapped tensors have no storage ("Cannot access storage of TensorWrapper").
     "per_sample_gradients": ("""

@@ -100,6 +100,7 @@ def test_value_shaped_ops_on_unknown_values_take_their_upper_bound():
         out, inverse, counts = torch.unique(big.long(), return_inverse=True, return_counts=True)
         assert (out.shape, inverse.shape, counts.shape) == ((LIMIT,), (LIMIT,), (LIMIT,))
         assert big[big.topk(10).indices].shape == (10,)
+        assert torch.bincount(big.long(), minlength=1000).shape == (1000,)  # the values taken below it
         with pytest.raises(UnknownValues, match=r"aten.bincount makes an output whose shape depends"):
             torch.bincount(big.long())
 
@@ -175,3 +176,18 @@ def test_torchvision_detection_ops_under_autocast():
         boxes = torch.rand(40000, 4, device="cuda")  # 625 KiB: followed, but scores from the model are not
         scores = torch.nn.Linear(256, 1).cuda()(torch.randn(40000, 256, device="cuda")).squeeze(1)
         assert torchvision.ops.nms(boxes, scores.float(), 0.7).shape == (40000,)
+
+
+def test_a_sparse_adjacency_built_by_the_script():
+    """A graph's adjacency as a sparse COO tensor, coalesced and multiplied (a GCN by hand):
+    PyTorch's meta kernels have no sparse ``_coalesce`` or ``addmm``; the dense results as
+    cuSPARSE writes them, the coalesced tensor as large as the uncoalesced one."""
+    with VirtualCUDA("h200"):
+        edges = torch.randint(0, 100_000, (2, 500_000), device="cuda")  # 8 MB: values not followed
+        adj = torch.sparse_coo_tensor(edges, torch.ones(500_000, device="cuda"), (100_000, 100_000)).coalesce()
+        assert adj.is_coalesced() and adj._nnz() == 500_000
+        w = torch.randn(64, 32, device="cuda", requires_grad=True)
+        h = torch.sparse.mm(adj, torch.randn(100_000, 64, device="cuda") @ w)
+        assert h.shape == (100_000, 32) and (adj @ h).shape == (100_000, 32)
+        h.sum().backward()  # the dense operand's gradient: adj.t() @ grad
+        assert w.grad.shape == (64, 32)
