@@ -86,6 +86,7 @@ class _Observer:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.optimizer_steps = 0  # optimizer steps seen before tracking began
         self.tracker: Tracker | None = None
+        self._seen_step = 0  # the tracker's step count when an optimizer step last ended one
         self.error: str | None = None  # a failure inside a hook, raised at the next one
         self._depth = 0
         self._seq = itertools.count()
@@ -222,8 +223,11 @@ class _Observer:
         self._profiling = True
 
     def _on_tracked_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        # Registered after the tracker's own step hook, so the step is recorded first.
-        if self.tracker is not None:
+        # Registered after the tracker's own step hook, so the step is recorded first. Every
+        # optimizer's step calls it; a step ended only where the tracker's count moved (with
+        # SGD and Adam over parts of one model, only one of them ends it).
+        if self.tracker is not None and self.tracker.step != self._seen_step:
+            self._seen_step = self.tracker.step
             if self.tracker.step >= self.steps:
                 raise _Stop()
             if self.on_step is not None:
@@ -252,7 +256,7 @@ class _Observer:
         except Exception as exc:  # e.g. the script already runs memprof.track itself
             self.error = f"memprof could not start tracking {type(model).__name__}: {exc}"
             return
-        self.tracker = tracker
+        self.tracker, self._seen_step = tracker, tracker.step
         # An unfinished step (forwards after the last optimizer step) is no
         # training step: exit as if interrupted, which drops it.
         self._tracking.callback(tracker.__exit__, _Stop, _Stop(), None)

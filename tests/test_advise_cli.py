@@ -467,6 +467,28 @@ def test_a_micro_batch_too_small_fails_only_plans_that_small(tmp_path):
     assert {"accum2", "accum4", "ckpt+accum2", "ckpt+accum4"} <= {p["plan"] for p in data["plans"]}
 
 
+def test_two_optimizers_over_one_model(tmp_path):
+    # SGD for one layer, Adam for the other: each optimizer's step ended a plan's step, so
+    # accumulation's was Adam's step alone, predicted 4 times faster than the baseline.
+    script = tmp_path / "train.py"
+    script.write_text("\n".join([
+        "import torch, torch.nn as nn",
+        "model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)).cuda()",
+        "opt1 = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9, nesterov=True)",
+        "opt2 = torch.optim.Adam(model[2].parameters(), lr=1e-3)",
+        "for step in range(10):",
+        "    loss = model(torch.randn(512, 1024, device='cuda')).square().mean()",
+        "    opt1.zero_grad(); opt2.zero_grad()",
+        "    loss.backward()",
+        "    opt1.step(); opt2.step()",
+    ]) + "\n")
+    out = tmp_path / "advice.json"
+    r = memprof("advise", script, "--budget", "24GiB", "--target", "h200", "--json", out)
+    assert r.returncode == 0, r.stderr
+    seconds = {p["plan"]: p["seconds"] for p in json.loads(out.read_text())["plans"]}
+    assert seconds["baseline"] < seconds["accum2"] < seconds["accum4"] < seconds["accum8"]
+
+
 def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
     import torch
 
