@@ -150,6 +150,10 @@ class Values(TorchDispatchMode):
             host = torch.zeros(args[0].shape, dtype=args[0].dtype, device=_CPU)
             self._keep(out, func(host, *map_leaves(self._cpu, args[1:]), **_host(map_leaves(self._cpu, kwargs))))
             return out
+        if not known and func._schema.name in _ABSORBING:
+            absorbed = self._absorbed(func, args, kwargs, metas)
+            if absorbed is not None:
+                return absorbed
         bound = _BOUNDED.get(func._schema.name) if not known else None
         if bound is not None and func._overloadname != "out":
             return bound(func, *args, **kwargs)
@@ -183,6 +187,22 @@ class Values(TorchDispatchMode):
                 for t in target if isinstance(target, (list, tuple)) else (target,):
                     if isinstance(t, torch.Tensor) and t.is_meta:
                         self._shadows.pop(weakref.ref(t.untyped_storage()), None)
+        return out
+
+    def _absorbed(self, func, args: tuple, kwargs: dict, metas: list) -> Any:
+        """``a | b`` with ``a`` known all true (``a & b``, all false) is known whatever ``b`` is:
+        a stopping criterion that is met (Hugging Face's generate() ORs its max-length check with an
+        end-of-sequence check on generated tokens, whose values are unknown, and stops once all are
+        done). Else None."""
+        value = _ABSORBING[func._schema.name]
+        out_shape = torch.broadcast_shapes(*(t.shape for t in metas))
+        if not any(t.dtype is torch.bool and t.shape == out_shape and self._has(t)
+                   and bool((self.shadow(t) == value).all()) for t in metas):
+            return None
+        out = func(*args, **kwargs)
+        self._shadows.pop(weakref.ref(out.untyped_storage()), None)  # in place: the target's is replaced
+        if _whole(out, self.limit):
+            self._keep(out, torch.full(out.shape, value, dtype=out.dtype))
         return out
 
     def _has(self, t: torch.Tensor) -> bool:
@@ -267,6 +287,12 @@ def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, 
 
 
 _warned: set[str] = set()
+
+
+#: Boolean operators with an absorbing value: the result where one operand holds it everywhere.
+_ABSORBING = {"aten::bitwise_or": True, "aten::bitwise_or_": True, "aten::logical_or": True,
+              "aten::logical_or_": True, "aten::bitwise_and": False, "aten::bitwise_and_": False,
+              "aten::logical_and": False, "aten::logical_and_": False}
 
 
 def _every_element(what: str, assumption: str = "every element were selected") -> None:

@@ -191,3 +191,18 @@ def test_a_sparse_adjacency_built_by_the_script():
         assert h.shape == (100_000, 32) and (adj @ h).shape == (100_000, 32)
         h.sum().backward()  # the dense operand's gradient: adj.t() @ grad
         assert w.grad.shape == (64, 32)
+
+
+def test_a_criterion_met_is_known_whatever_it_is_ored_with():
+    """Hugging Face's generate() ORs its max-length check (known) with an end-of-sequence check
+    on tokens picked from large logits (unknown) and stops once every sequence is done: it never
+    stopped, bool() of an unknown tensor being False."""
+    with VirtualCUDA("h200"):
+        tokens = torch.randn(4, 300_000, device="cuda").argmax(-1)  # from 4.6 MiB of logits: unknown
+        eos = tokens == 2
+        done = torch.full((4,), True, device="cuda") | eos
+        assert bool(done.all())
+        unfinished = torch.ones(4, dtype=torch.bool, device="cuda") & ~eos  # unknown
+        unfinished &= ~done
+        assert unfinished.max().item() == 0
+        assert not bool((torch.full((4,), False, device="cuda") | eos).all())  # unknown: bool() is False
