@@ -153,6 +153,8 @@ class _Mode(TorchFunctionMode):
                 "differ on a GPU; measure there for them")
         if name == "dropout" and not isinstance(func, FunctionType) and args and _on_meta(args[0]):
             return _dropout(*args, **kwargs)
+        if name == "rms_norm" and args and _on_meta(args[0]):
+            return _rms_norm(*args, **kwargs)
         if name == "cross_entropy_loss" and torch.is_autocast_enabled("cuda"):
             with self:  # composed from torch functions, which meet the policy
                 return cross_entropy_loss(*args, **kwargs)
@@ -186,6 +188,36 @@ def _dropout(input: torch.Tensor, p: float = 0.5, train: bool = True) -> torch.T
     if train and 0 < p < 1 and input.numel() > 0:  # is_fused_kernel_acceptable
         return torch.native_dropout(input, p, train)[0]
     return torch.dropout(input, p, train)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """``F.rms_norm`` as CUDA runs it (layer_norm.cpp sends CUDA tensors to ``_fused_rms_norm``):
+    one kernel that keeps the input, the weight and one float per row for backward, where the
+    composite other devices run (and meta tensors get) keeps a float copy of the input too.
+    Its kernels' reads and writes stand in: a float norm per row and the scaled output forward,
+    the input's and the weight's gradients backward."""
+
+    @staticmethod
+    def forward(ctx, input, weight, dims):
+        rstd = torch.linalg.vector_norm(input, dim=dims, keepdim=True, dtype=torch.float32)
+        out = input * weight if weight is not None else input.clone()
+        ctx.dims = dims
+        ctx.save_for_backward(input, weight, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight, rstd = ctx.saved_tensors
+        grad_input = grad * weight if weight is not None else grad.clone()
+        rows = tuple(range(grad.dim() - len(ctx.dims)))
+        grad_weight = grad.sum(rows) if weight is not None else None
+        return grad_input, grad_weight, None
+
+
+def _rms_norm(input: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,
+              eps: float | None = None) -> torch.Tensor:
+    dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
+    return _FusedRMSNorm.apply(input, weight, dims)
 
 
 _HALF_TO_FLOAT = {"softmax": torch._softmax, "log_softmax": torch._log_softmax}

@@ -578,3 +578,23 @@ def test_flex_attention_as_its_fused_kernel():
     attention = [row for row in alloc.trace if row[7] == ATTENTION]
     forward = 4 * 2 * 8 * 4096 * 4096 * 64
     assert [row[0] for row in attention] == [forward, forward * 5 // 2]
+
+
+def test_rms_norm_as_cuda_runs_it():
+    """On CUDA F.rms_norm (nn.RMSNorm, Llama-style QK-norm) runs one fused kernel that keeps the
+    input and a float per row; the composite other devices run kept a float copy too (192 MiB
+    where a GPU keeps 64 for a bf16 tensor of 32 MiB with its output)."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = get_gpu("H200-141GB")
+    alloc = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=alloc):
+        x = torch.randn(16, 1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # 32 MiB
+        norm = nn.RMSNorm(1024, device="cuda", dtype=torch.bfloat16)
+        before = alloc.read().allocated
+        y = norm(x)
+        # the output (32 MiB) and one float32 rstd per row (64 KiB)
+        assert alloc.read().allocated - before == 32 * MiB + 16 * 1024 * 4
+        y.sum().backward()
+        assert x.grad.shape == x.shape and norm.weight.grad.shape == (1024,)
