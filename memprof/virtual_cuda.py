@@ -190,6 +190,18 @@ def _dropout(input: torch.Tensor, p: float = 0.5, train: bool = True) -> torch.T
     return torch.dropout(input, p, train)
 
 
+def _host_activities(init: Callable) -> Callable:
+    """``torch.profiler.profile``'s constructor recording the host's activities only."""
+    from torch.profiler import ProfilerActivity
+
+    def __init__(self, *args: Any, activities: Any = None, **kwargs: Any) -> None:
+        kept = [a for a in activities or [ProfilerActivity.CPU] if a != ProfilerActivity.CUDA and not (
+            isinstance(a, dict) and ProfilerActivity.CUDA in a)]
+        init(self, *args, activities=kept or [ProfilerActivity.CPU], **kwargs)
+
+    return __init__
+
+
 class _FusedRMSNorm(torch.autograd.Function):
     """``F.rms_norm`` as CUDA runs it (layer_norm.cpp sends CUDA tensors to ``_fused_rms_norm``):
     one kernel that keeps the input, the weight and one float per row for backward, where the
@@ -460,6 +472,12 @@ class VirtualCUDA:
             # positive): values a simulation does not have (a large tensor's bool() is False), so
             # every check would fail. Its checks change no memory that stays; they are left out.
             stack.enter_context(_replace(torch.distributions.Distribution, "_validate_args", False))
+            # torch.profiler asked to record CUDA: there is no CUDA to record (a CPU build, or no GPU),
+            # and its C++ warns with a backtrace at every operator. It records the host's side only.
+            from torch.profiler import profiler
+
+            stack.enter_context(_replace(profiler._KinetoProfile, "__init__",
+                                         _host_activities(profiler._KinetoProfile.__init__)))
             # torch.compile runs eagerly here, so flex attention warns that it was not compiled;
             # it is simulated as its compiled, fused kernel (SimulatedAllocator._higher_order).
             stack.enter_context(warnings.catch_warnings())
