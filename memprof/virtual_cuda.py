@@ -45,11 +45,12 @@ import sys
 import warnings
 from contextlib import ExitStack
 from types import FunctionType
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _foreach_utils
+from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .autocast_policy import TORCHVISION_FP32, AutocastPolicy, cross_entropy_loss
@@ -397,6 +398,8 @@ class VirtualCUDA:
         self.sdpa = Environment.of(self.gpu)
         #: What the script asked for that runs differently here (e.g. torch.compile), for the report.
         self.notes: dict[str, str] = {}
+        #: What the script saved (torch.save writes nothing here), by path or file object, to load back.
+        self._saved: dict[Any, Any] = {}
         self._stack: ExitStack | None = None
 
     def __enter__(self) -> "VirtualCUDA":
@@ -453,6 +456,7 @@ class VirtualCUDA:
             stack.enter_context(_replace(torch, "compile", self._compile))
             stack.enter_context(_replace(torch.nn.Module, "compile", _module_compile(self)))
             stack.enter_context(_replace(torch, "save", self._save))
+            stack.enter_context(_replace(torch, "load", self._load(torch.load)))
             if torch.distributed.is_available():
                 stack.enter_context(_replace(torch.distributed, "init_process_group",
                                              self._init_process_group(torch.distributed.init_process_group)))
@@ -565,9 +569,51 @@ class VirtualCUDA:
             log.warning("%s", message or f"{what}: {why}")
 
     def _save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        """``torch.save`` writes nothing: a simulation has no values to save, and must not replace a checkpoint."""
+        """``torch.save`` writes nothing: a simulation has no values to save, and must not replace a
+        checkpoint. What was saved is kept for a ``torch.load`` of the same path (a resume test)."""
         self.notes.setdefault("torch.save", "skipped: nothing was written")
         log.info("not writing %s: the simulation has shapes, not values", getattr(f, "name", f))
+        # The device's tensors by shape (a checkpoint holds none of the device's memory), the host's copied.
+        self._saved[_file_key(f)] = tree_map(
+            lambda t: (_SavedShape(t.shape, t.dtype) if t.is_meta else t.clone()) if isinstance(t, torch.Tensor) else t,
+            obj)
+
+    def _load(self, load: Callable) -> Callable:
+        """``torch.load``: what this run saved to ``f``, else the file on disk read to the host; its
+        tensors made again where ``map_location`` says (the GPU unless it names the host), as
+        loading makes new tensors."""
+
+        def torch_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+            saved = self._saved.get(_file_key(f), _NOT_SAVED)
+            obj = load(f, *args, map_location="cpu", **kwargs) if saved is _NOT_SAVED else saved
+            on_host = map_location is not None and not callable(map_location) and not isinstance(
+                map_location, dict) and not _is_cuda(map_location)
+
+            def place(t: Any) -> Any:
+                if isinstance(t, _SavedShape):
+                    return torch.zeros(t.shape, dtype=t.dtype, device="cpu" if on_host else _META)
+                if not isinstance(t, torch.Tensor):
+                    return t
+                return t.clone() if on_host else t.to(_META)
+
+            return tree_map(place, obj, is_leaf=lambda x: isinstance(x, _SavedShape))
+
+        return torch_load
+
+
+_NOT_SAVED = object()
+
+
+class _SavedShape(NamedTuple):
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def _file_key(f: Any) -> Any:
+    """What names a file torch.save and torch.load are given: its resolved path, or the file object."""
+    if isinstance(f, (str, os.PathLike)):
+        return os.path.realpath(os.fspath(f))
+    return id(f)
 
 
 def _checkpoint_metadata(x: torch.Tensor) -> dict[str, Any]:

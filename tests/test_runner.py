@@ -347,6 +347,21 @@ HABITS = {
             loss = nn.functional.softplus(-model.score(u, i)).mean()
             opt.zero_grad(); loss.backward(); opt.step()
     """, [1000 * 64, 1000 * 64, 64 * 64, 64, 64 * 64, 64]),
+    # A checkpoint saved and loaded back onto the GPU mid-run (a resume test): torch.save writes
+    # nothing, so the load found no file, or an old one it could not map to "cuda".
+    "checkpoint_round_trip": ("""
+        import torch
+        from torch import nn
+        model = nn.Linear(512, 512).cuda()
+        opt = torch.optim.Adam(model.parameters())
+        for step in range(10):
+            model(torch.randn(32, 512, device="cuda")).square().mean().backward()
+            opt.step(); opt.zero_grad()
+            if step == 1:
+                torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, "checkpoint.pt")
+                state = torch.load("checkpoint.pt", map_location="cuda")
+                model.load_state_dict(state["model"]); opt.load_state_dict(state["optim"])
+    """, [512 * 512, 512]),
     # DP-SGD's per-sample gradients: the model runs only inside torch.func's vmap(grad(...)),
     # whose wrapped tensors have no storage ("Cannot access storage of TensorWrapper").
     "per_sample_gradients": ("""
