@@ -9,10 +9,12 @@ the copied module calls the same tracker, which ignores modules it does not
 track. Pickled (``torch.save(model)``), it becomes a hook that does nothing.
 
 Module hooks also run inside PyTorch's transforms, which they cannot follow:
-torch.compile's Dynamo inlines them into the graph it traces, and torch.func's
-``vmap``/``grad`` hand them wrapped tensors without storages of their own.
-:func:`transformed` says when: hooks then do nothing, and the transformed
-call is attributed as a whole, from the calls around it.
+torch.compile's Dynamo inlines them into the graph it traces, torch.func's
+``vmap``/``grad`` hand them wrapped tensors without storages of their own,
+and a CUDA graph's capture forbids what they do on the device (reading the
+allocator, recording events: "operation not permitted when stream is
+capturing"). :func:`transformed` says when: hooks then do nothing, and the
+transformed call is attributed as a whole, from the calls around it.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ _interpreters = torch._C._functorch.peek_interpreter_stack
 
 
 def transformed() -> bool:
-    """Whether the caller runs inside torch.compile's tracing or a torch.func transform."""
-    return torch.compiler.is_compiling() or _interpreters() is not None
+    """Whether the caller runs inside torch.compile's tracing, a torch.func transform or a CUDA
+    graph's capture."""
+    return (torch.compiler.is_compiling() or _interpreters() is not None
+            or torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:

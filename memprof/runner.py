@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .hooks import transformed
 from .report import Report
 from .tracker import Tracker, _uncompiled, track
 
@@ -162,6 +163,8 @@ class _Observer:
             self._depth = max(self._depth - 1, 0)
 
     def _on_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if transformed():  # captured in a CUDA graph: not run now
+            return
         self._check()
         if self._pending is not None:
             return

@@ -1128,7 +1128,7 @@ class Tracker:
             self._rows[n] = tuple(row)
 
     def _on_optimizer_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
-        if not self._is_ours(opt) or not self._profiled:
+        if not self._is_ours(opt) or not self._profiled or transformed():  # a CUDA graph's capture
             return None
         # args[0] is the optimizer itself (torch.optim.Optimizer.profile_hook_step)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -1151,7 +1151,7 @@ class Tracker:
         self._end_backward(Phase.OPTIMIZER_STEP, ("optimizer", ""))
 
     def _on_optimizer_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not self._is_ours(opt):
+        if not self._is_ours(opt) or transformed():  # a step captured in a CUDA graph is not one run
             return
         if self._profiled:
             self._record_optimizer_state(opt, changed=True)  # Adam creates its state at the first step
