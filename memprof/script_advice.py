@@ -476,6 +476,7 @@ class _Schedule:
         self._stack = ExitStack()
         self._current: str | None = None
         self._done = 0
+        self._fresh = True  # no plan has run yet in this run of the script
         self._advanced: set[str] = set()
 
     def pending(self) -> list[str]:
@@ -487,6 +488,7 @@ class _Schedule:
         from memprof.strategies.zero import fsdp_units
 
         self.model, self.opt = model, opt
+        self._fresh = True  # a run of the script begins
         self.units = fsdp_units(model)
         if self.facts is None:
             self._watch = _Watch(model, opt)
@@ -580,8 +582,11 @@ class _Schedule:
             self._current, self._done = name, 0
             if hasattr(self.advance, "now"):
                 self.advance.now(name)
-            # What the last plan cached is not this plan's (a fresh run would not have it).
-            torch.cuda.empty_cache()
+            # What the last plan cached is not this plan's (a fresh run would not have it); the
+            # first plan of a run finds the cache as the script left it, as a run of its own does.
+            if not self._fresh:
+                torch.cuda.empty_cache()
+            self._fresh = False
             allocator = self._allocator()
             if allocator is not None:
                 allocator.events = []
@@ -632,6 +637,10 @@ def advise_script(
         schedule.advance = advance
         meta = _run(schedule, path, args, gpu, simulate, timeout)
     baseline = schedule.baseline
+    if baseline is None:
+        raise ScriptError(
+            f"the script ended before memprof saw a step of it as it is: memprof advise needs {steps + 1} optimizer "
+            "steps of the script (the first finds the model); run it for more steps, e.g. more iterations after --")
     if not simulate and not baseline.device.startswith("cuda"):
         raise ScriptError(
             f"the script trains on the {baseline.device}, not on this machine's GPU: memprof advises on CUDA training; "
