@@ -508,3 +508,20 @@ def test_a_distributed_script_stopped_early_can_run_again(tmp_path, clean):
 def test_bad_arguments(mlp_script, kw, clean):
     with pytest.raises(ValueError, match=next(iter(kw))):
         observe_script(mlp_script, **kw)
+
+
+def test_expandable_segments_are_noted(tmp_path, clean):
+    """A script that asks for expandable segments (often in its own first lines) gets the default
+    allocator's reserved memory, and the report says so."""
+    source = """
+        import os
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        import torch
+        model = torch.nn.Linear(256, 256).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(10):
+            model(torch.randn(64, 256, device="cuda")).sum().backward(); opt.step(); opt.zero_grad()
+    """
+    report = observe_script(write(tmp_path, source), steps=2, target="h200")
+    assert report.meta["simulation_notes"]["expandable segments"].startswith("not modelled")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # the script's setting is not the next run's
