@@ -61,6 +61,20 @@ CORPUS: dict[str, tuple[str, str, list[str], bool]] = {
     "legacy-amp-reentrant": (".", "legacy_amp_reentrant.py", [], False),
     "unet-segmentation": (".", "unet_segmentation.py", [], False),
     "nn-transformer": (".", "nn_transformer.py", [], False),
+    "maskrcnn-detection": (".", "maskrcnn_detection.py", [], True),
+    "deeplab-segmentation": (".", "deeplab_segmentation.py", [], True),
+    "convnext-mixup": (".", "convnext_mixup.py", [], True),
+    "r3d-video": (".", "r3d_video.py", [], True),
+    "flex-attention-docs": (".", "flex_attention_docs.py", [], False),
+    "cuda-graph-step": (".", "cuda_graph_step.py", [], False),
+    "dpsgd-func": (".", "dpsgd_func.py", [], False),
+    "hf-qwen2-packed": (".", "hf_qwen2_packed.py", [], False),
+    "bf16-rope-decoder": (".", "bf16_rope_decoder.py", [], False),
+    "maml-second-order": (".", "maml_second_order.py", [], False),
+    "lstm-lm": (".", "lstm_lm.py", [], False),
+    "moco-clip": (".", "moco_clip.py", [], False),
+    "audio-cnn": (".", "audio_cnn.py", [], False),
+    "gnn-recsys": (".", "gnn_recsys.py", [], False),
 }
 
 
