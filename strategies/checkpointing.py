@@ -121,7 +121,9 @@ class Checkpointing(Strategy):
                 raise ValueError(f"no module named {missing} in the model; give qualified names from model.named_modules()")
             found = [(b, named[b]) for b in self.blocks]
         if not found:
-            raise ValueError("found no repeated blocks to checkpoint; pass blocks=[...] with module names")
+            raise ValueError(
+                f"found no repeated blocks to checkpoint in {type(model).__name__} (a stack of layers of one class); "
+                "from Python, name them: Checkpointing(blocks=[...]) with names from model.named_modules()")
         kwargs = {"use_reentrant": False}
         if self.selective:
             kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _KEEP)
