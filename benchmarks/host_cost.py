@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
+from op_counts import _phase as phase  # noqa: E402
 from suite import workload  # noqa: E402
 
 from memprof.advisor import default_plans  # noqa: E402
@@ -48,11 +49,7 @@ PHASES = ("forward", "backward", "recompute", "optimizer")
 
 
 def _phase(in_optimizer: bool) -> str:
-    if in_optimizer:
-        return "optimizer"
-    if torch._C._current_graph_task_id() == -1:
-        return "forward"
-    return "recompute" if torch.is_grad_enabled() else "backward"
+    return "optimizer" if in_optimizer else phase()
 
 
 class _Count(TorchDispatchMode):
