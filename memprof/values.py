@@ -246,10 +246,15 @@ def _reads_size_back(func, args: tuple) -> bool:
     """Whether CUDA's kernel for this call copies a size to the host and waits for it: the
     value-shaped operators (``nonzero``, ``unique``, ``masked_select``), and indexing by a mask
     (``x[mask]``, ``x[mask] = v``: a ``nonzero`` of the mask first); integer indices do not."""
-    name = func._schema.name
-    if name == "aten::index" or name in _INDEX_PUT:
-        return len(args) > 1 and _masks(args[1])
-    return torch.Tag.dynamic_output_shape in func.tags
+    kind = _SIZE_BACK.get(func)
+    if kind is None:  # once per operator: its schema's name and tags cost a microsecond a call
+        name = func._schema.name
+        kind = 2 if name == "aten::index" or name in _INDEX_PUT else int(torch.Tag.dynamic_output_shape in func.tags)
+        _SIZE_BACK[func] = kind
+    return kind == 1 or kind == 2 and len(args) > 1 and _masks(args[1])
+
+
+_SIZE_BACK: dict[Any, int] = {}
 
 
 def _host(kwargs: dict) -> dict:
