@@ -295,9 +295,10 @@ _warned: set[str] = set()
 
 
 #: Boolean operators with an absorbing value: the result where one operand holds it everywhere.
-_ABSORBING = {"aten::bitwise_or": True, "aten::bitwise_or_": True, "aten::logical_or": True,
-              "aten::logical_or_": True, "aten::bitwise_and": False, "aten::bitwise_and_": False,
-              "aten::logical_and": False, "aten::logical_and_": False}
+_ABSORBING = {**dict.fromkeys(("aten::bitwise_or", "aten::bitwise_or_", "aten::__or__", "aten::__ior__",
+                                "aten::logical_or", "aten::logical_or_"), True),
+              **dict.fromkeys(("aten::bitwise_and", "aten::bitwise_and_", "aten::__and__", "aten::__iand__",
+                               "aten::logical_and", "aten::logical_and_"), False)}
 
 
 def _every_element(what: str, assumption: str = "every element were selected") -> None:

@@ -205,4 +205,9 @@ def test_a_criterion_met_is_known_whatever_it_is_ored_with():
         unfinished = torch.ones(4, dtype=torch.bool, device="cuda") & ~eos  # unknown
         unfinished &= ~done
         assert unfinished.max().item() == 0
+        # generate()'s own, under inference_mode (where `&` reaches the modes as aten.__and__, not decomposed)
+        with torch.inference_mode():
+            done = torch.full((4,), True, device="cuda") | eos
+            unfinished = torch.ones(4, dtype=torch.long, device="cuda") * (~eos).long()  # unknown
+            assert (unfinished & ~done).max().item() == 0
         assert not bool((torch.full((4,), False, device="cuda") | eos).all())  # unknown: bool() is False
