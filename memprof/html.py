@@ -334,8 +334,11 @@ def _report_sections(report: "Report", budget: int | None = None) -> tuple[str, 
         bars = '<div id="module-plot" class="plot"></div>'
     peak = report.peak
     where = f": peak of step {peak.step} in {html.escape(peak.phase)}" if peak is not None else ""
+    notes = report.meta.get("simulation_notes") or {}
+    simulated = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in notes.items())
+    simulated = f'<p class="note">What the simulated GPU ran differently:</p><ul>{simulated}</ul>' if notes else ""
     body = f"""
-<section id="categories"><h2>Where the memory went{where}</h2>{_category_table(report)}</section>
+<section id="categories"><h2>Where the memory went{where}</h2>{_category_table(report)}{simulated}</section>
 <section id="timeline"><h2>Timeline</h2>{chart}</section>
 <section id="modules"><h2>Modules at the peak</h2><p class="note">What each module held at the moment of the peak,
 its submodules included, so the root's figures are the category table's (the chart shows the root's children and the

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from rich.console import Console, RenderableType
 from rich.table import Table
+from rich.text import Text
 from rich.tree import Tree
 
 from .categories import ALLOCATED, OUTSIDE_ALLOCATED
@@ -128,6 +129,8 @@ def _runs(names: list[str], shape) -> Iterator[tuple[str, list[str]]]:
 
 def render_report(report: "Report") -> Iterator[RenderableType]:
     yield category_table(report)
+    for what, why in (report.meta.get("simulation_notes") or {}).items():
+        yield Text(f"simulated differently: {what}: {why}")  # not markup: "x[mask]"
     if len(report.modules):
         yield module_tree(report)
 

@@ -302,7 +302,12 @@ _ABSORBING = {**dict.fromkeys(("aten::bitwise_or", "aten::bitwise_or_", "aten::_
 
 
 def _every_element(what: str, assumption: str = "every element were selected") -> None:
-    if what not in _warned:  # once a process: every step, every plan does it again
+    from .virtual_cuda import current  # imports this module
+
+    device = current()
+    if device is not None:  # in the report's notes: its peak may be above the GPU's
+        device.notes.setdefault(f"upper bound: {what}", f"on values not followed, sized as if {assumption}")
+    if what not in _warned:  # logged once a process: every step, every plan does it again
         _warned.add(what)
         log.warning("%s on values the simulation does not follow (computed from large tensors): sized as if %s, "
                     "an upper bound", what, assumption)

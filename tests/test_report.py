@@ -169,3 +169,19 @@ def test_module_tree_folds_a_stack_of_identical_blocks():
     assert block.endswith("params 257.00 KiB  activ 512.00 KiB")
     assert any(" 4 (Linear)" in line for line in lines) and not any(" 1 (Sequential)" in line for line in lines)
     assert sum(" 0 (Linear)" in line for line in lines) == 1  # the first block's own submodules stand for all
+
+
+def test_simulation_notes_are_shown_with_the_report(report):
+    """What the simulated GPU ran differently (an upper bound for x[mask], torch.compile run eagerly)
+    shows under the category table and in the HTML page, not only in the run's log."""
+    import copy
+
+    from memprof.render import report_text
+
+    noted = copy.deepcopy(report)
+    noted.meta["simulation_notes"] = {"upper bound: x[mask]": "on values not followed, sized as if every element "
+                                                              "were selected"}
+    assert ("simulated differently: upper bound: x[mask]: on values not followed, sized as if every element were "
+            "selected") in report_text(noted, width=200)
+    assert "<li><b>upper bound: x[mask]</b>: on values not followed" in noted.to_html()
+    assert "simulated differently" not in report_text(report, width=200)

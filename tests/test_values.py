@@ -91,9 +91,10 @@ def test_value_shaped_ops_on_unknown_values_take_their_upper_bound():
     """A mask, nonzero or unique of values the simulation does not follow (a metric's
     ``pred[valid]``, torchvision's detection heads): sized for every element selected;
     integer indices (``x[scores.topk(k).indices]``) by their shapes, as on the GPU."""
-    with VirtualCUDA("h200"):
+    with VirtualCUDA("h200") as gpu:
         big = torch.randn(LIMIT, device="cuda")  # 4 MiB: not followed
         assert big[big > 0].shape == (LIMIT,)
+        assert gpu.notes["upper bound: x[mask]"] == "on values not followed, sized as if every element were selected"
         assert big.view(1024, -1)[big.view(1024, -1)[:, 0] > 0].shape == (1024, LIMIT // 1024)
         assert big.nonzero().shape == (LIMIT, 1) and torch.where(big.view(2, -1) > 0)[1].shape == (LIMIT,)
         assert torch.masked_select(big, big > 0).shape == (LIMIT,)
