@@ -23,6 +23,11 @@ class Category(str, Enum):
     #: during backward, often a large share of the backward peak.
     ACTIVATION_GRADIENTS = "activation_gradients"
     INPUTS = "inputs"
+    #: Parameters and buffers of modules outside the tracked model that the
+    #: script keeps on the device: a frozen VAE or text encoder, a teacher, a
+    #: reference model, an EMA copy. Each is named by the variable that holds
+    #: it (``Report.other_models``); it belongs to no module of the tracked model.
+    OTHER_MODELS = "other_models"
     #: cuBLAS's workspaces: scratch memory PyTorch takes from its caching
     #: allocator for each cuBLAS handle and stream (one per thread that runs
     #: matrix products, e.g. autograd's backward thread) and keeps for the
@@ -50,6 +55,7 @@ ALLOCATED: tuple[Category, ...] = (
     Category.ACTIVATIONS,
     Category.ACTIVATION_GRADIENTS,
     Category.INPUTS,
+    Category.OTHER_MODELS,
     Category.WORKSPACES,
     Category.TEMPORARIES,
 )

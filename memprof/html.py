@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 # One colour per category, the same in every chart of a page.
 _COLOURS = dict(zip(
     [c.value for c in (*ALLOCATED, Category.FRAGMENTATION)],
-    ["#4e79a7", "#76b7b2", "#f28e2b", "#e15759", "#59a14f", "#edc948", "#b07aa1", "#9c755f", "#bab0ac", "#d9d9d9"],
+    ["#4e79a7", "#76b7b2", "#f28e2b", "#e15759", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
+     "#d9d9d9"],
+    strict=True,
 ))
 # The phase kinds shaded on the timeline: a band per run of samples of one kind.
 _BANDS = {
@@ -275,10 +277,11 @@ def _category_table(report: "Report") -> str:
         share = f"{100 * b / total:.1f} %" if total else "-"
         rows.append(f'<tr data-category="{cat.value}"><td>{_swatch(cat.value)}{cat.value}</td>{_cell(b)}'
                     f'<td>{share}</td></tr>')
-        if cat is Category.OPTIMIZER_STATE:
-            # The state at the end of the step, by name: no share of the peak's moment.
-            rows += [f'<tr class="sub"><td>optimizer_state.{html.escape(name)}</td>{_cell(sb)}<td></td></tr>'
-                     for name, sb in sorted(report.optimizer_state.items())]
+        if cat in (Category.OPTIMIZER_STATE, Category.OTHER_MODELS):
+            # The state at the end of the step by name, the other models by the script's names
+            # for them: no share of the peak's moment.
+            rows += [f'<tr class="sub"><td>{cat.value}.{html.escape(name)}</td>{_cell(sb)}<td></td></tr>'
+                     for name, sb in sorted(getattr(report, cat.value).items())]
     rows.append(f'<tr class="total"><td>allocated</td>{_cell(total)}<td>100.0 %</td></tr>')
     rows += [f'<tr class="outside" data-category="{c.value}"><td>{_swatch(c.value)}{c.value}</td>'
              f'{_cell(peak.bytes[c.value])}<td></td></tr>' for c in OUTSIDE_ALLOCATED if c.value in peak.bytes]

@@ -52,8 +52,9 @@ def category_table(report: "Report") -> Table:
     for cat in OUTSIDE_ALLOCATED:
         if cat.value in peak.bytes:
             table.add_row(cat.value, fmt_bytes(peak.bytes[cat.value]), "", style="dim")
-    for name, b in sorted(report.optimizer_state.items()):
-        table.add_row(f"  optimizer_state.{name}", fmt_bytes(b), "", style="dim")
+    for field in ("optimizer_state", "other_models"):
+        for name, b in sorted(getattr(report, field).items()):
+            table.add_row(f"  {field}.{name}", fmt_bytes(b), "", style="dim")
     return table
 
 

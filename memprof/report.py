@@ -96,9 +96,11 @@ def phase_module(phase: str) -> str:
     return phase.partition(" ")[2] if phase_kind(phase) in _IN_MODULE else ""
 
 
-#: What a module can hold: every allocated category but temporaries, which no
-#: module claims. The module table's columns of the same names.
-MODULE_CATEGORIES: tuple[Category, ...] = tuple(c for c in ALLOCATED if c is not Category.TEMPORARIES)
+#: What a module can hold: every allocated category but temporaries and other
+#: models, which no module of the tracked model claims. The module table's
+#: columns of the same names.
+MODULE_CATEGORIES: tuple[Category, ...] = tuple(
+    c for c in ALLOCATED if c not in (Category.TEMPORARIES, Category.OTHER_MODELS))
 
 #: The module table's columns that are not about the peak's moment but about
 #: the whole reported step (every micro-batch, and recomputation).
@@ -181,7 +183,9 @@ class Report:
     ``peak`` is the breakdown at the highest peak among the profiled steps
     (the *reported step* is that peak's step); ``optimizer_state`` bytes per
     state name (Adam's ``exp_avg`` and ``exp_avg_sq`` apart) at the end of the
-    reported step; ``timeline`` the samples of the last profiled steps;
+    reported step; ``other_models`` the bytes of each module outside the tracked
+    model that the script keeps on the device, by the name the script holds it
+    by (the ``other_models`` category); ``timeline`` the samples of the last profiled steps;
     ``steps`` one row per step.
 
     ``modules`` has one row per module, indexed by its path (the root's class
@@ -211,6 +215,7 @@ class Report:
     device: str
     peak: Breakdown | None = None
     optimizer_state: dict[str, int] = field(default_factory=dict)
+    other_models: dict[str, int] = field(default_factory=dict)
     modules: pd.DataFrame = field(default_factory=lambda: _empty(MODULE_COLUMNS))
     timeline: pd.DataFrame = field(default_factory=lambda: _empty(["step", "seq", "phase", "allocated"]))
     steps: pd.DataFrame = field(default_factory=lambda: _empty(STEP_COLUMNS))
@@ -240,6 +245,7 @@ class Report:
             "meta": self.meta,
             "peak": self.peak.to_dict() if self.peak else None,
             "optimizer_state": dict(self.optimizer_state),
+            "other_models": dict(self.other_models),
             "modules": self.modules.reset_index(names="module").to_dict(orient="records"),
             "timeline": self.timeline.to_dict(orient="records"),
             "steps": self.steps.to_dict(orient="records"),
@@ -257,6 +263,7 @@ class Report:
             device=d["device"],
             peak=Breakdown.from_dict(d["peak"]) if d["peak"] else None,
             optimizer_state={k: int(v) for k, v in d["optimizer_state"].items()},
+            other_models={k: int(v) for k, v in d.get("other_models", {}).items()},  # reports saved before the field: none named
             modules=modules,
             timeline=pd.DataFrame(d["timeline"]),
             steps=pd.DataFrame(d["steps"], columns=STEP_COLUMNS),

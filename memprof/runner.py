@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .frames import script_modules
 from .hooks import transformed
 from .report import Report
 from .tracker import Tracker, _uncompiled, track
@@ -255,7 +256,9 @@ class _Observer:
                 self.on_model(model, opts[0])
             tracker = track(model, opts if len(opts) > 1 else opts[0], warmup=self.steps, every=1,
                             timeline_steps=self.steps, full=True)
-            tracker.__enter__()
+            # As Python, even where the step returns inside a compiled function (torch.compile
+            # of a function that steps the optimizer): Dynamo would trace memprof's own code.
+            torch.compiler.disable(tracker.__enter__)()
         except Exception as exc:  # e.g. the script already runs memprof.track itself
             self.error = f"memprof could not start tracking {type(model).__name__}: {exc}"
             return
@@ -286,7 +289,7 @@ class _Observer:
             if (held, seq) > best_key and held:
                 best, best_key = module, (held, seq)
         if best_key[0] < len(wanted):
-            for module in _loop_modules(sys._getframe(1)):
+            for _, module in script_modules(sys._getframe(1)):
                 held = sum(1 for p in module.parameters() if id(p) in wanted)
                 if held == len(wanted) and any(any(c is m for c in module.modules()) for m in self._outermost):
                     # the smallest that holds them all
@@ -306,28 +309,6 @@ class _Observer:
                 type(best).__name__, best_key[0], len(wanted), type(opt).__name__,
             )
         return best
-
-
-def _loop_modules(frame) -> list[nn.Module]:
-    """The modules the frames of the script's code hold, from ``frame`` outwards: their local
-    variables and, for a method, its object's attributes (a trainer's ``self.model``)."""
-    found: dict[int, nn.Module] = {}
-    while frame is not None:
-        code = frame.f_code.co_filename
-        if not code.startswith(_TORCH_DIR) and not code.startswith(_MEMPROF_DIR):
-            values = list(frame.f_locals.values())
-            owner = frame.f_locals.get("self")
-            if owner is not None and not isinstance(owner, nn.Module):
-                values += list(getattr(owner, "__dict__", {}).values())
-            for v in values:
-                if isinstance(v, nn.Module):
-                    found.setdefault(id(v), v)
-        frame = frame.f_back
-    return list(found.values())
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_MEMPROF_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _step_frame(frame):

@@ -48,6 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .allocator import counters_for
 from .categories import ALLOCATED, Category
+from .frames import script_modules
 from .hooks import Shared, transformed
 from .ledger import Ledger
 from .report import MODULE_CATEGORIES, MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Phase, Report
@@ -56,7 +57,8 @@ __all__ = ["Tracker", "track"]
 
 log = logging.getLogger(__name__)
 
-_NAMED = MODULE_CATEGORIES  # the categories the ledger attributes: all but temporaries
+# The categories the ledger attributes: all but temporaries.
+_NAMED = tuple(c for c in ALLOCATED if c is not Category.TEMPORARIES)
 _TIMELINE_ROWS_PER_STEP = 50_000
 
 # The tracker whose hooks are installed, if any: module and optimizer hooks are
@@ -294,6 +296,13 @@ class Tracker:
         self._reported: Breakdown | None = None
         self._modules: dict[str, dict[str, int]] = {}
         self._optimizer_state: dict[str, int] = {}
+        self._other_models: dict[str, int] = {}
+        # Modules outside the tracked model that the script holds or calls (a frozen
+        # encoder, a teacher, an EMA copy), by the name it holds them by; and every
+        # module met outside the tracked model, their submodules included, so that a
+        # forward hook passes over one it has seen at the cost of a lookup.
+        self._others: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self._outside: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     # -- public ----------------------------------------------------------------
     def __enter__(self) -> "Tracker":
@@ -435,6 +444,7 @@ class Tracker:
             device=str(self.device),
             peak=peak,
             optimizer_state=dict(self._optimizer_state),
+            other_models=dict(self._other_models),
             modules=modules,
             timeline=timeline,
             steps=pd.DataFrame(self._steps, columns=STEP_COLUMNS),
@@ -609,6 +619,7 @@ class Tracker:
             if self._full:
                 self._modules = self._module_rows(led.by_module(mark))
                 self._optimizer_state = led.group(Category.OPTIMIZER_STATE, by="detail")
+                self._other_models = led.group(Category.OTHER_MODELS, by="detail")
             elif peak.allocated > best.allocated:
                 # A cheap step names storages by the few modules it hooks: the
                 # next profiled step is a full one, whose table names them all.
@@ -623,6 +634,8 @@ class Tracker:
         """Each module's row: what it and its submodules held at the peak, and over the step."""
         rows = {n: dict.fromkeys(MODULE_COLUMNS[1:], 0) for n in self._types}
         for (module, cat), nbytes in at_peak.items():
+            if cat is Category.OTHER_MODELS:  # no module of the tracked model holds them
+                continue
             for name in self._ancestors(module):
                 rows[name][cat.value] += nbytes
         for name, nbytes in self._saved_over_step.items():
@@ -681,6 +694,38 @@ class Tracker:
         if full:
             for opt in self._own_optimizers():
                 self._record_optimizer_state(opt)
+            found = script_modules(sys._getframe(1))
+            names = dict((id(m), n) for n, m in found)
+            for _, module in found:
+                if module not in self._outside and module not in self._names:
+                    self._adopt_other(module, names)
+            for module, name in list(self._others.items()):
+                self._record_other(module, name)
+
+    def _adopt_other(self, module: nn.Module, names: dict[int, str]) -> None:
+        """Follow ``module``, met outside the tracked model, as another model if it
+        holds parameters or buffers: named by the variable the script holds it by
+        (``names``: the script's modules by identity, for this call), else by its
+        class; a name two modules share is numbered."""
+        for m in module.modules():
+            self._outside.add(m)
+        if next(module.parameters(), None) is None and next(module.buffers(), None) is None:
+            return
+        name = names.get(id(module)) or type(module).__name__
+        taken, n = set(self._others.values()), 1
+        while name in taken:
+            n += 1
+            name = f"{names.get(id(module)) or type(module).__name__}#{n}"
+        self._others[module] = name
+        self._record_other(module, name)
+
+    def _record_other(self, module: nn.Module, name: str) -> None:
+        """Record another model's parameters and buffers on the device (those of the
+        tracked model it shares, such as a wrapper's, stay the tracked model's)."""
+        led = self._ledger
+        for t in (*module.parameters(), *module.buffers()):
+            if self._on_device(t):
+                led.add(_storage(t), Category.OTHER_MODELS, "", name)
 
     def _refresh_gradients(self) -> None:
         """Record the parameters' gradients that exist now: at a profiled step's
@@ -835,6 +880,8 @@ class Tracker:
             return
         name = self._names.get(module) or self._adopt_compiled(module, args)
         if name is None:  # a module outside the tracked model: part of its caller
+            if module not in self._outside:
+                self._adopt_other(module, dict((id(m), n) for n, m in script_modules(sys._getframe(1))))
             return
         outer = not self._fwd
         if outer:

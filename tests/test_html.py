@@ -121,6 +121,23 @@ def test_category_table_is_the_breakdown(report, page):
     assert texts(body["optimizer_state.exp_avg_sq"]) == ["optimizer_state.exp_avg_sq", "2.00 MiB", ""]
 
 
+def test_other_models_are_named_under_their_row(report):
+    """Each other model the script keeps (report.other_models) under the category's row, in
+    the page and in the terminal's table."""
+    from dataclasses import replace
+
+    from memprof.render import report_text
+
+    other = replace(report, other_models={"teacher": MiB, "vae": 3 * MiB})
+    rows = Rows(report_html(other), "category-table").rows
+    names = [texts(r)[0] for r in rows[1:]]
+    at = names.index("other_models")
+    assert names[at + 1:at + 3] == ["other_models.teacher", "other_models.vae"]
+    assert texts(rows[1 + at + 2]) == ["other_models.vae", "3.00 MiB", ""]
+    text = report_text(other)
+    assert "other_models.teacher" in text and "other_models.vae" in text
+
+
 def test_module_bars_and_table_are_the_module_table(report, page):
     modules = report.modules
     fig = figures(page)["module-plot"]

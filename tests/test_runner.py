@@ -165,6 +165,47 @@ def test_picks_the_model_the_optimizer_trains(tmp_path, clean):
     assert report.modules.index.tolist() == ["Student", "Student.fc"]
     assert report.peak.bytes["parameters"] == 256 * 256 * 4
     assert report.optimizer_state == {}  # plain SGD keeps no state
+    assert report.other_models == {"encoder": (256 * 256 + 256) * 4}  # frozen, outside the model
+
+
+def test_frozen_models_and_an_ema_in_a_function_on_the_simulated_gpu(tmp_path, clean):
+    """A diffusion fine-tune's habits, inside main(): a frozen VAE and text encoder on the
+    device, the trained network, an EMA of it updated after each step and never called.
+    Their weights are other models', named as main() names them, each tensor in its own
+    512-byte-rounded block; the trained model's are its parameters."""
+    script = write(tmp_path, """
+        import torch
+        from torch import nn
+        from torch.optim.swa_utils import AveragedModel
+        def main():
+            vae = nn.Conv2d(3, 4, 8, stride=8).cuda().requires_grad_(False)
+            text_encoder = nn.Embedding(1000, 64).cuda().requires_grad_(False)
+            unet = nn.Sequential(nn.Conv2d(4, 64, 3, padding=1), nn.SiLU(), nn.Conv2d(64, 4, 3, padding=1)).cuda()
+            ema = AveragedModel(unet)
+            opt = torch.optim.AdamW(unet.parameters())
+            for _ in range(10):
+                with torch.no_grad():
+                    latents = vae(torch.randn(16, 3, 256, 256, device="cuda"))
+                    cond = text_encoder(torch.randint(0, 1000, (16,), device="cuda")).mean()
+                noise = torch.randn_like(latents)
+                loss = nn.functional.mse_loss(unet(latents + noise) + cond, noise)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                ema.update_parameters(unet)
+        main()
+    """)
+    report = observe_script(script, steps=2, target="h200")
+
+    def blocks(*numels):
+        return sum(-(-4 * n // 512) * 512 for n in numels)
+
+    unet = [4 * 64 * 9, 64, 64 * 4 * 9, 4]
+    assert report.peak.bytes["parameters"] == blocks(*unet)
+    assert report.other_models == {
+        "vae": blocks(3 * 4 * 64, 4), "text_encoder": blocks(1000 * 64), "ema": blocks(*unet),
+    }  # AveragedModel's n_averaged is made on its device argument, None here: on the host
+    assert report.peak.bytes["other_models"] == sum(report.other_models.values())
 
 
 def test_a_gan_is_tracked_as_both_models(tmp_path, caplog, clean):

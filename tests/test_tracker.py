@@ -327,7 +327,7 @@ def test_copies_of_the_tracked_model_work_and_stay_untracked():
     """copy.deepcopy(model) inside track (an EMA, a teacher, the best weights) copied the
     model's hooks and with them the tracker ("cannot pickle 'generator' object"); torch.save
     of the whole model pickled them. A copy shares the hooks, which ignore it: the report is
-    the one of the same steps without the copy."""
+    the one of the same steps without the copy, but for the copy's parameters, another model's."""
     import copy
     import io
 
@@ -347,10 +347,59 @@ def test_copies_of_the_tracked_model_work_and_stay_untracked():
         return prof.report()
 
     plain, copied = run(False), run(True)
-    assert len(copied.steps) == 3 and copied.peak.bytes == plain.peak.bytes
-    assert copied.peak.bytes["parameters"] == 2 * MiB
+    assert len(copied.steps) == 3 and copied.peak.bytes == {**plain.peak.bytes, "other_models": 2 * MiB}
+    assert copied.peak.bytes["parameters"] == 2 * MiB and copied.other_models == {"ema": 2 * MiB}
     loaded = torch.load(io.BytesIO(_saved_while_tracked()), weights_only=False)
     assert loaded(torch.randn(2, 512)).shape == (2, 512)  # its hooks do nothing, as the tracker is gone
+
+
+def test_other_models_the_script_keeps_are_named_by_its_variables():
+    """A frozen teacher called in the loop, an EMA the loop updates but never calls, and a
+    frozen encoder reached through a dict: their weights are the script's, not temporaries
+    of the step. The teacher and the EMA are named by the variables holding them; the
+    encoder, held by no variable, by its class. None of them enters the module table."""
+    from torch.optim.swa_utils import AveragedModel
+
+    model = mlp()
+    teacher = nn.Linear(512, 512, bias=False).requires_grad_(False)  # 1 MiB
+    ema = AveragedModel(model)  # a copy of the model (2 MiB) and n_averaged, one int64
+    frozen = {"encoder": nn.Linear(512, 256, bias=False).requires_grad_(False)}  # 0.5 MiB
+    opt = torch.optim.AdamW(model.parameters())
+    with memprof.track(model) as prof:
+        for _ in range(3):
+            x = frozen["encoder"](torch.randn(512, 512)).repeat(1, 2)
+            loss = (model(x) - teacher(x)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(model)
+    r = prof.report()
+    assert r.other_models == {"teacher": MiB, "ema": 2 * MiB + 8, "Linear": MiB // 2}
+    assert r.peak.bytes["other_models"] == MiB + 2 * MiB + 8 + MiB // 2
+    assert r.peak.bytes["parameters"] == 2 * MiB and r.optimizer_state["exp_avg"] == 2 * MiB
+    assert list(r.modules.index) == ["Sequential", "Sequential.0", "Sequential.1", "Sequential.2"]
+    assert "other_models" not in r.modules.columns
+    assert_adds_up(r)
+
+
+def test_reading_the_scripts_frames_keeps_nothing_alive():
+    """Before Python 3.13 a function's frame keeps the snapshot its f_locals made: a tensor
+    the script deleted after memprof looked for its modules stayed alive (a step's logits,
+    a model deleted to free the device). A locals() the script holds is left as it is."""
+    import sys
+
+    from memprof.frames import script_modules
+
+    x, layer = torch.randn(256, 256), nn.Linear(2, 2)
+    gone = weakref.ref(x)
+    assert ("layer", layer) in script_modules(sys._getframe())
+    del x
+    gc.collect()
+    assert gone() is None
+    y = torch.randn(2)
+    held = locals()
+    script_modules(sys._getframe())
+    assert held["y"] is y
 
 
 def _saved_while_tracked() -> bytes:
@@ -605,7 +654,8 @@ def test_root_row_is_the_peak_exactly():
     assert r.peak.phase == "backward Sequential.1"
     assert r.peak.bytes == {
         "parameters": 2 * MiB, "buffers": 0, "gradients": MiB, "optimizer_state": 4 * MiB + 8,
-        "activations": MiB, "activation_gradients": 2 * MiB, "inputs": MiB, "workspaces": 0, "temporaries": 0,
+        "activations": MiB, "activation_gradients": 2 * MiB, "inputs": MiB, "other_models": 0, "workspaces": 0,
+        "temporaries": 0,
     }
     assert_adds_up(r)
     m = r.modules
@@ -755,7 +805,7 @@ def test_peak_in_optimizer_step():
     assert r.peak.phase == "optimizer step"
     assert r.peak.bytes == {
         "parameters": MiB, "buffers": 0, "gradients": MiB, "optimizer_state": 2 * MiB + 4,
-        "activations": 0, "activation_gradients": 0, "inputs": 0, "workspaces": 0,
+        "activations": 0, "activation_gradients": 0, "inputs": 0, "other_models": 0, "workspaces": 0,
         "temporaries": 0,  # the input is gone by then
     }
     assert_adds_up(r)

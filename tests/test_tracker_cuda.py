@@ -215,3 +215,26 @@ def test_cublas_workspaces_are_named():
     size = allocator.cublas_workspace_size(torch.cuda.current_device())
     assert named > 0 and named % size == 0, (named, size)
     assert 0 <= freed - named < size and (freed - named) % (1 << 20) == 0, (freed, named)
+
+
+def test_a_frozen_teacher_is_another_model_exactly():
+    """Distillation: a frozen teacher on the device, called in every step. Its weights are
+    counted as other_models to the byte, and the categories still add up to CUDA's counters."""
+    model, opt, _ = workload()
+    torch.manual_seed(1)
+    teacher = nn.Sequential(nn.Linear(1024, 4096), nn.Linear(4096, 1024)).cuda().requires_grad_(False)
+    x = torch.randn(64, 256, 1024, device="cuda")
+    with memprof.track(model, every=1) as prof:
+        for _ in range(4):
+            with torch.no_grad():
+                target = teacher(x)
+            loss = (model(x) - target).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    r = prof.report()
+    n = (1024 * 4096 + 4096 + 4096 * 1024 + 1024) * 4  # every tensor a multiple of 512 B
+    assert r.other_models == {"teacher": n} and r.peak.bytes["other_models"] == n
+    cats = [c.value for c in ALLOCATED]
+    assert (r.timeline[cats].sum(axis=1) == r.timeline["allocated"]).all()
+    assert (r.timeline["temporaries"] >= 0).all()

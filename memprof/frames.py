@@ -1,0 +1,60 @@
+"""The modules a training script holds, found through its running frames.
+
+A loop's frames say what the script works with beyond the model it trains:
+a model trained through its methods (``model.score(u, i)``), and the other
+models it keeps on the device (a frozen VAE and text encoder, a teacher, a
+reference model, an EMA copy), each under the name the script gives it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from types import FrameType
+
+import torch
+from torch import nn
+
+__all__ = ["script_modules"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MEMPROF_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def script_modules(frame: FrameType | None) -> list[tuple[str, nn.Module]]:
+    """The modules the frames of the script's code hold, from ``frame`` outwards,
+    each once, with the name it is held by there: their local variables (a
+    script's top level: its globals) and, for a method, its object's attributes
+    (a trainer's ``self.model``). PyTorch's and memprof's own frames are skipped."""
+    found: dict[int, tuple[str, nn.Module]] = {}  # by identity, for this call only: the modules are held
+    while frame is not None:
+        code = frame.f_code.co_filename
+        if not code.startswith(_TORCH_DIR) and not code.startswith(_MEMPROF_DIR):
+            values = _locals(frame)
+            owner = dict(values).get("self")
+            if owner is not None and not isinstance(owner, nn.Module):
+                values += list(getattr(owner, "__dict__", {}).items())
+            for name, v in values:
+                if isinstance(v, nn.Module):
+                    found.setdefault(id(v), (name, v))
+        frame = frame.f_back
+    return list(found.values())
+
+
+def _locals(frame: FrameType) -> list[tuple[str, object]]:
+    """A frame's local variables, leaving nothing of them held.
+
+    Before Python 3.13 (PEP 667) a function's ``frame.f_locals`` is a snapshot
+    that the frame keeps until it is read again: every value in it would stay
+    alive after the script deletes or rebinds its variable (a step's logits,
+    a model deleted to free the GPU). Where nothing but the frame holds the
+    snapshot (no ``locals()`` result kept by the script), it is emptied after
+    reading; a function's code never reads it (its variables are the frame's
+    fast locals), and ``locals()`` or a tracer fills it again from them."""
+    snapshot = frame.f_locals
+    items = list(snapshot.items())
+    # The frame, this function's variable and getrefcount's argument.
+    if sys.version_info < (3, 13) and frame.f_code.co_flags & inspect.CO_OPTIMIZED and sys.getrefcount(snapshot) == 3:
+        snapshot.clear()
+    return items
