@@ -70,7 +70,7 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
     """
     w = Workload(model, optimizer, batch=None, loss_fn=None)
     stack.enter_context(w.plan(strategies, simulated=simulated))
-    forward = model.forward
+    cut = None
     if w.micro_batches > 1:
         batch = facts.batch_size if facts is not None else None
         cut = _MicroBatchCut(w.micro_batches, batch, facts.micro_batches if facts is not None else 1)
@@ -78,14 +78,42 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
             raise ValueError(f"a batch of {batch} samples cannot be cut into {w.micro_batches} micro-batches "
                              "of equal size")
         stack.enter_context(cut)
-        forward = cut.wrap(forward)
-    if w.saved_tensors_hooks is not None:
-        forward = _under(w.saved_tensors_hooks, forward)
-    if w.autocast_dtype is not None:
-        forward = torch.autocast("cuda", dtype=w.autocast_dtype)(forward)
-    if forward is not model.forward:
-        w.patch(model, "forward", forward)
+
+    def planned(forward):
+        if cut is not None:
+            forward = cut.wrap(forward)
+        if w.saved_tensors_hooks is not None:
+            forward = _under(w.saved_tensors_hooks, forward)
+        if w.autocast_dtype is not None:
+            forward = torch.autocast("cuda", dtype=w.autocast_dtype)(forward)
+        return forward
+
+    if planned(model.forward) is model.forward:
+        return w
+    # The model's forward, and its children's for a model the script trains through its
+    # methods (PPO's agent.get_action_and_value(x) calling self.actor(x) and self.critic(x),
+    # a two-tower model's score()): the first of them to run applies the plan, the calls
+    # inside it pass straight through.
+    depth = [0]
+    for module in (model, *(c for c in model.children() if type(c).forward is not nn.Module.forward)):
+        w.patch(module, "forward", _outermost(module.forward, planned(module.forward), depth))
     return w
+
+
+def _outermost(plain, planned, depth: list[int]):
+    """``planned`` where no other of the functions sharing ``depth`` is running, else ``plain``."""
+
+    @functools.wraps(plain)
+    def forward(*args, **kwargs):
+        if depth[0]:
+            return plain(*args, **kwargs)
+        depth[0] += 1
+        try:
+            return planned(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    return forward
 
 
 def _under(make_context, fn):
@@ -307,20 +335,36 @@ class _Watch:
         self._children: dict[str, list[str]] = {}
         for name in self._names:
             self._children.setdefault(name.rpartition(".")[0], []).append(name)
-        self._handles = [model.register_forward_pre_hook(Shared(self._on_model), with_kwargs=True),
-                         register_optimizer_step_post_hook(torch.compiler.disable(self._on_optimizer))]
+        self._handles = [register_optimizer_step_post_hook(torch.compiler.disable(self._on_optimizer))]
+        # The model's forward, or a child's where the script trains the model through its methods
+        # (PPO's agent.get_action_and_value calling self.actor and self.critic): the first of them
+        # to run outside another is the step's entry (as memprof.script_advice applies plans).
+        self._entry: weakref.ref | None = None
+        self._open: list[bool] = []  # per entry forward running: whether it counts
+        for m in (model, *(c for c in model.children() if type(c).forward is not nn.Module.forward)):
+            self._handles += [m.register_forward_pre_hook(Shared(self._on_entry), with_kwargs=True),
+                              m.register_forward_hook(Shared(self._on_entry_end), always_call=True)]
         self._optimizers = weakref.WeakSet([opt])
         self._model = weakref.ref(model)
         self._handles += [m.register_forward_pre_hook(Shared(functools.partial(self._on_module, name)))
                           for name, m in model.named_modules() if name]
 
-    def _on_model(self, module, args, kwargs) -> None:
-        if torch._C._current_graph_task_id() != -1 or not torch.is_grad_enabled():
-            return  # re-run in backward (the whole model checkpointed), or evaluation between steps
+    def _on_entry(self, module, args, kwargs) -> None:
+        # Not re-run in backward (the whole model checkpointed), nor evaluation between steps.
+        counts = (not self._open and torch._C._current_graph_task_id() == -1 and torch.is_grad_enabled()
+                  and (self._entry is None or self._entry() is module))
+        self._open.append(counts)
+        if not counts:
+            return
+        self._entry = self._entry or weakref.ref(module)
         self.forwards += 1
         if self.forwards == 1:
             self._autocast()
             self.facts.batch = tensor_shapes(_arguments(module, args, kwargs))
+
+    def _on_entry_end(self, module, args, output) -> None:
+        if self._open:
+            self._open.pop()
 
     def _on_module(self, name: str, module, args) -> None:
         if torch._C._current_graph_task_id() == -1:
@@ -392,6 +436,12 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
         elif covered and any(isinstance(s, Checkpointing) for s in strategies):
             out[name] = f"the {who} already checkpoints the repeated blocks"
     return out
+
+
+def _without_accumulation(strategies: list) -> set[str]:
+    from memprof.strategies import Accumulation
+
+    return {s.name for s in strategies if not isinstance(s, Accumulation)}
 
 
 def _micro_batches(strategies: list) -> int:
@@ -549,11 +599,15 @@ class _Schedule:
         k = _micro_batches(self.plans[name])
         if k > 1:
             # The step saw 1/K of its batch where memprof could cut it (see _MicroBatchCut); what it
-            # could not (a batch of another size, made another way) fails the plans with as many
-            # micro-batches or more alike. Fewer may run (BatchNorm refuses a micro-batch of one).
+            # could not (a batch of another size, made another way) fails the plans that add to this
+            # one's other strategies as many micro-batches or more alike. Fewer may run (BatchNorm
+            # refuses a micro-batch of one); without this plan's other strategies, another plan may
+            # run (checkpointing's failure is not bf16's).
             message += (" (memprof runs 1/K of the batch to simulate K micro-batches, cutting its tensors where "
                         "they reach the device, and the script's step could not follow)")
-            failing += [p for p in self.pending() if p != name and _micro_batches(self.plans[p]) >= k]
+            others = _without_accumulation(self.plans[name])
+            failing += [p for p in self.pending() if p != name and _micro_batches(self.plans[p]) >= k
+                        and others <= _without_accumulation(self.plans[p])]
         for plan in failing:
             self.failed[plan] = message
             self._advance(plan)

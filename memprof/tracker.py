@@ -124,6 +124,15 @@ def _top_saved_tensors_hooks():
     return top(False) if top is not None else None
 
 
+def _checkpoint_frame() -> type | None:
+    """torch.utils.checkpoint's frame class, whose ``save_inputs`` keeps a non-reentrant
+    checkpoint's inputs for its recomputation; None where this torch has none."""
+    import torch.utils.checkpoint as checkpoint
+
+    cls = getattr(checkpoint, "_CheckpointFrame", None)
+    return cls if cls is not None and "save_inputs" in vars(cls) else None
+
+
 class _Span:
     """A module's forward or backward in a profiled step: where it began, its highest point."""
 
@@ -255,9 +264,12 @@ class Tracker:
         self._handles: list = []  # removed on exit
         # Classes whose zero_grad is wrapped, (class, its own zero_grad or None, the wrapper): restored on exit.
         self._zero_grads: list[tuple[type, Any, Any]] = []
+        # torch.utils.checkpoint's frame class and its own save_inputs, while it is wrapped.
+        self._checkpoint_inputs: tuple[type, Any] | None = None
         self._step_handles: list = []  # removed at the end of each profiled step
         self._node_hook: Any = None  # _on_node_grads, bound while a step is profiled
         self._saved_hooks: saved_tensors_hooks | None = None
+        self._chained = False  # whether the saved-tensors hooks chain to ones active before (save_on_cpu)
         self._user_view: Any = None
         self._active = False
         # Storages resized in place (FSDP's gathered parameters): kept across
@@ -335,6 +347,7 @@ class Tracker:
             for ref in self._given or ():
                 self._optimizers[ref()] = True
                 self._wrap_zero_grad(ref())
+            self._wrap_checkpoint_inputs()
             self._counters.reset_peak()  # later steps begin where the last one's counters were read and reset
             self._begin_step()
         except BaseException:
@@ -974,8 +987,47 @@ class Tracker:
             return packed
 
         unpack = unpack_inner if unpack_inner is not None else _identity
+        self._chained = inner is not None
         self._saved_hooks = saved_tensors_hooks(pack, unpack)
         self._saved_hooks.__enter__()
+
+    def _wrap_checkpoint_inputs(self) -> None:
+        """Keep a non-reentrant checkpoint's inputs out of the tracker's saved-tensors hooks.
+
+        Under any saved-tensors hooks, ``torch.utils.checkpoint`` hands its recomputation
+        each input as a new tensor object (autograd's SavedVariable wraps what an unpack
+        hook returns), so one tensor passed twice arrives as two: nn.MultiheadAttention's
+        ``query is key`` fast path then differs between forward and recomputation, and
+        checkpoint stops with "Recomputed values ... have different metadata" (an
+        nn.Transformer checkpointed by layer, under memprof.track only). While the block
+        runs, ``save_inputs`` of checkpoint's frame class (the class, as for zero_grad)
+        records the inputs as the hooks would and saves them with the tracker's hooks set
+        aside, where they are the ones in effect."""
+        cls = _checkpoint_frame()
+        if cls is None:
+            return
+        own = vars(cls)["save_inputs"]
+        tracker = weakref.ref(self)
+
+        @functools.wraps(own)
+        def save_inputs(frame: Any, *args: Any) -> None:
+            t = tracker()
+            hooks = t._saved_hooks if t is not None else None
+            top = _top_saved_tensors_hooks()
+            if hooks is None or top is None or top[0] is not hooks.pack_hook:
+                return own(frame, *args)
+            if not t._chained:  # else the hooks chained to (save_on_cpu) decide, as without memprof
+                for a in args:
+                    if isinstance(a, torch.Tensor) and t._on_device(a):
+                        t._on_saved(a)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            try:
+                return own(frame, *args)
+            finally:
+                torch._C._autograd._push_saved_tensors_default_hooks(hooks.pack_hook, hooks.unpack_hook)
+
+        cls.save_inputs = save_inputs
+        self._checkpoint_inputs = (cls, own)
 
     def _pop_saved_hooks(self) -> None:
         if self._saved_hooks is not None:
@@ -1268,6 +1320,10 @@ class Tracker:
         self._active = False
         self._pop_saved_hooks()
         self._unwrap_zero_grads()
+        if self._checkpoint_inputs is not None:
+            cls, own = self._checkpoint_inputs
+            cls.save_inputs = own
+            self._checkpoint_inputs = None
         if self._user_view is not None:
             view, self._user_view = self._user_view, None
             view.__exit__(None, None, None)

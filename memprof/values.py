@@ -95,6 +95,8 @@ class Values(TorchDispatchMode):
         #: it computed (``nonzero``, ``x[mask]``, ``unique``): the simulated clocks meet there.
         self.synchronize = synchronize
         self._shadows: dict[weakref.ref, torch.UntypedStorage] = {}
+        # Truth tensors too large for a shadow whose every element is known (Values.assume).
+        self._constants: dict[weakref.ref, bool] = {}
 
     # -- reading ---------------------------------------------------------------
     def shadow(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -151,10 +153,25 @@ class Values(TorchDispatchMode):
             host = torch.zeros(args[0].shape, dtype=args[0].dtype, device=_CPU)
             self._keep(out, func(host, *map_leaves(self._cpu, args[1:]), **_host(map_leaves(self._cpu, kwargs))))
             return out
+        if not known and name in _OF_CONSTANTS and func._overloadname != "out":
+            value = self._constants.get(weakref.ref(metas[0].untyped_storage()))
+            if value is not None:  # isnan(x).any() of an x too large to follow: no NaN
+                out = func(*args, **kwargs)
+                self.assume(out, value != (name in _NEGATIONS))
+                return out
+        if not known and name in _ASSUMED_TRUE:
+            out = func(*args, **kwargs)
+            if out.dim() == 0 and self.assume(out, True):
+                _note("any()", "of values not followed: taken as true (a routing mask selects some tokens)")
+            return out
         if not known and name in _ABSORBING:
             absorbed = self._absorbed(func, args, kwargs, metas)
             if absorbed is not None:
                 return absorbed
+        if not known and name in _BY_MASK and func._overloadname != "out":
+            exact = self._by_known_mask(func, name, args)
+            if exact is not None:
+                return exact
         bound = _BOUNDED.get(name) if not known else None
         if bound is not None and func._overloadname != "out":
             return bound(func, *args, **kwargs)
@@ -205,6 +222,45 @@ class Values(TorchDispatchMode):
         if _whole(out, self.limit):
             self._keep(out, torch.full(out.shape, value, dtype=out.dtype))
         return out
+
+    def _by_known_mask(self, func, name: str, args: tuple) -> Any:
+        """``x[mask]`` and ``x.masked_select(mask)`` where the mask's values are known and only
+        ``x``'s are not (an identity mask's complement over a similarity matrix of features):
+        the mask alone sizes the output, as ``nonzero`` of it indexes on CUDA (Indexing.cu
+        expands a boolean index into its nonzero positions). Else None."""
+        if name == "aten::masked_select":
+            x, mask = args[0], args[1]
+            known = self.shadow(mask)
+            if known is None:
+                return None
+            n = int(known.expand(torch.broadcast_shapes(x.shape, mask.shape)).count_nonzero())
+            return x.new_empty((n,))
+        x, indices = args[0], args[1]
+        full = []
+        for i in indices:
+            if i is not None and i.dtype in (torch.bool, torch.uint8):
+                known = self.shadow(i)
+                if known is None:
+                    return None
+                n = int(known.count_nonzero())
+                full += [i.new_empty((n,), dtype=torch.long)] * i.dim()
+            else:
+                full.append(i)
+        return func(x, full)
+
+    def assume(self, t: torch.Tensor, value: bool) -> bool:
+        """Take every element of ``t``, whose inputs' values are not followed, as ``value`` (a
+        truth the step's code branches on). Where ``t`` is too large for a shadow, the value
+        is kept for its reductions and negations only (``isnan(logits).any()``); False then."""
+        if not _whole(t, self.limit):
+            if t.is_meta and t.numel():
+                self._constants[weakref.ref(t.untyped_storage(), self._forget_constant)] = value
+            return False
+        self._keep(t, torch.full(t.shape, value, dtype=t.dtype))
+        return True
+
+    def _forget_constant(self, key: weakref.ref) -> None:
+        self._constants.pop(key, None)
 
     def _has(self, t: torch.Tensor) -> bool:
         return weakref.ref(t.untyped_storage()) in self._shadows
@@ -302,6 +358,16 @@ def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, 
 _warned: set[str] = set()
 
 
+#: Reductions to one truth value whose answer on values not followed is taken as true: a
+#: routing mask selects some tokens (``if not mask.any(): continue`` skipped every expert of a
+#: mixture). ``all()`` keeps the made-up False of any other truth: a decoding loop's ``if
+#: done.all(): break`` runs on to its length, an upper bound.
+_ASSUMED_TRUE = {"aten::any"}
+#: What a truth tensor of one value everywhere (Values.assume) answers: the same value, negated
+#: for the negations.
+_NEGATIONS = {"aten::logical_not", "aten::bitwise_not"}
+_OF_CONSTANTS = {"aten::any", "aten::all", *_NEGATIONS}
+
 #: Boolean operators with an absorbing value: the result where one operand holds it everywhere.
 _ABSORBING = {**dict.fromkeys(("aten::bitwise_or", "aten::bitwise_or_", "aten::__or__", "aten::__ior__",
                                 "aten::logical_or", "aten::logical_or_"), True),
@@ -309,16 +375,24 @@ _ABSORBING = {**dict.fromkeys(("aten::bitwise_or", "aten::bitwise_or_", "aten::_
                                "aten::logical_and", "aten::logical_and_"), False)}
 
 
-def _every_element(what: str, assumption: str = "every element were selected") -> None:
+def _note(what: str, why: str, message: str | None = None) -> None:
+    """In the report's notes of the simulated GPU running, and logged once a process (every
+    step, every plan does it again)."""
     from .virtual_cuda import current  # imports this module
 
     device = current()
-    if device is not None:  # in the report's notes: its peak may be above the GPU's
-        device.notes.setdefault(f"upper bound: {what}", f"on values not followed, sized as if {assumption}")
-    if what not in _warned:  # logged once a process: every step, every plan does it again
+    if device is not None:
+        device.notes.setdefault(what, why)
+    if what not in _warned:
         _warned.add(what)
-        log.warning("%s on values the simulation does not follow (computed from large tensors): sized as if %s, "
-                    "an upper bound", what, assumption)
+        log.warning("%s", message or f"{what}: {why}")
+
+
+def _every_element(what: str, assumption: str = "every element were selected") -> None:
+    # In the report's notes: its peak may be above the GPU's.
+    _note(f"upper bound: {what}", f"on values not followed, sized as if {assumption}",
+          f"{what} on values the simulation does not follow (computed from large tensors): sized as if "
+          f"{assumption}, an upper bound")
 
 
 def _nonzero(func, self):
@@ -377,6 +451,9 @@ def _nms(func, boxes, scores, iou_threshold):
     _every_element("torchvision's nms", "every box were kept")
     return boxes.new_empty((boxes.shape[0],), dtype=torch.long)
 
+
+#: Value-shaped operators that a known mask sizes whatever the data's values (Values._by_known_mask).
+_BY_MASK = ("aten::index", "aten::masked_select")
 
 #: Operators whose output shape depends on values, with an upper bound for when they are
 #: unknown, by name (torchvision's without importing it).

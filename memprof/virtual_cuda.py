@@ -57,7 +57,7 @@ from .autocast_policy import TORCHVISION_FP32, AutocastPolicy, cross_entropy_los
 from .cuda_api import TENSOR_API, CudaRuntime
 from .devices import GPU, get_gpu
 from .sdpa import Environment
-from .values import Values
+from .values import Values, _note
 
 __all__ = ["VirtualCUDA", "current"]
 
@@ -76,6 +76,10 @@ _IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
 _DATA = torch._C.TensorBase.__dict__["data"]
 # The recurrent layers' functions (torch._VF, called by nn.LSTM, nn.GRU, nn.RNN and their cells' layers).
 _RECURRENT = {"lstm", "gru", "rnn_tanh", "rnn_relu"}
+#: Checks for non-finite values, and what each answers on values the simulation does not
+#: follow: a training step's values are finite (a loss or a gradient norm checked before a
+#: step is skipped, clip_grad_norm_'s error_if_nonfinite).
+_FINITE_CHECKS = {"isnan": False, "isinf": False, "isposinf": False, "isneginf": False, "isfinite": True}
 
 
 def current() -> "VirtualCUDA | None":
@@ -152,6 +156,11 @@ class _Mode(TorchFunctionMode):
                 "LSTM, GRU and RNN layers are simulated with PyTorch's own kernels, not cuDNN's, whose reserve "
                 "buffer for backward PyTorch's meta kernel does not size (it says 0 bytes): their activations can "
                 "differ on a GPU; measure there for them")
+        if name in _FINITE_CHECKS and args and _on_meta(args[0]) and self.vc.values.shadow(args[0]) is None:
+            out = func(*args, **kwargs)
+            if self.vc.values.assume(out, _FINITE_CHECKS[name]):
+                _note("finite values", "isnan, isinf and isfinite of values not followed: taken as finite")
+            return out
         if name == "dropout" and not isinstance(func, FunctionType) and args and _on_meta(args[0]):
             return _dropout(*args, **kwargs)
         if name == "rms_norm" and args and _on_meta(args[0]):

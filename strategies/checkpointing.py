@@ -27,14 +27,21 @@ def _shape(module: nn.Module):
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks: children of ModuleLists/Sequentials whose
-    children are all the same block (transformer layers, ResNet bottlenecks,
-    ``nn.Sequential(conv, norm, act)`` stacks) and hold parameters, or, among
-    mixed children (``nn.Sequential(stem, *blocks, head)``, or a model's own
-    attributes: a UNet's ``self.down1 = Block(64, 128)`` ...), the children of
-    one composite block class that occurs at least twice; of the block with
-    the most such instances."""
-    candidates: list[tuple[str, nn.Module, Any]] = []
+    """The repeated blocks, looked for in this order:
+
+    1. composite children of ModuleLists/Sequentials whose children are all the
+       same block (transformer layers, ResNet bottlenecks, ``nn.Sequential(conv,
+       norm, act)`` stacks): every such stack (an encoder's layers and a decoder's);
+    2. among mixed children (``nn.Sequential(stem, *blocks, head)``, or a model's
+       own attributes: a UNet's ``self.down1 = Block(64, 128)`` ...), the children
+       of the composite class that occurs most often, at least twice;
+    3. single layers stacked in a ModuleList/Sequential, of the class stacked most.
+
+    A stack outranks blocks that repeat inside its members: nn.Transformer's
+    encoder and decoder layers, not the two attentions of each decoder layer
+    (self and cross), which checkpointed alone save little; of stacks inside
+    stacks, the innermost."""
+    tiers: list[list[tuple[str, nn.Module, Any]]] = [[], [], []]
     for name, module in model.named_modules():
         children = list(module.named_children())
         if len(children) < 2:
@@ -46,16 +53,23 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         first = children[0][1]
         if (container and len(shapes) == 1 and not isinstance(first, nn.ModuleList)
                 and any(True for _ in first.parameters())):
-            candidates += [(f"{prefix}{i}", c, _shape(c)) for i, c in children]
+            composite = any(True for _ in first.children())
+            tiers[0 if composite else 2] += [(f"{prefix}{i}", c, _shape(c)) for i, c in children]
         elif len(shapes) > 1 or not container:
             # Only blocks made of modules: a checkpointed single layer saves its input anyway.
-            candidates += [(f"{prefix}{i}", c, _shape(c)) for i, c in children
-                           if shapes[_shape(c)] >= 2 and not isinstance(c, nn.ModuleList)
-                           and any(True for _ in c.children()) and any(True for _ in c.parameters())]
+            tiers[1] += [(f"{prefix}{i}", c, _shape(c)) for i, c in children
+                         if shapes[_shape(c)] >= 2 and not isinstance(c, nn.ModuleList)
+                         and any(True for _ in c.children()) and any(True for _ in c.parameters())]
+    if tiers[0]:
+        # The innermost stacks: a Swin stage's blocks, not the stages holding them.
+        names = [n for n, _, _ in tiers[0]]
+        return [(n, m) for n, m, _ in tiers[0] if not any(o.startswith(n + ".") for o in names)]
+    candidates = tiers[1] or tiers[2]
     if not candidates:
         return []
-    top, _ = Counter(shape for _, _, shape in candidates).most_common(1)[0]
-    return [(n, m) for n, m, shape in candidates if shape == top]
+    counts = Counter(shape for _, _, shape in candidates)
+    most = max(counts.values())
+    return [(n, m) for n, m, shape in candidates if counts[shape] == most]
 
 
 # Selective checkpointing keeps the outputs of the expensive ops (matmuls,

@@ -462,6 +462,70 @@ def test_a_micro_batch_too_small_fails_only_plans_that_small(tmp_path):
     assert {"accum2", "accum4", "ckpt+accum2", "ckpt+accum4"} <= {p["plan"] for p in data["plans"]}
 
 
+def test_a_model_trained_through_its_methods_gets_the_same_plans(tmp_path):
+    """An RL agent's loop calls agent.act(x), which calls its children; the model's forward
+    never runs. bf16, accumulation and offload were bound to that forward only, so every plan
+    ran as the step as it is (bf16 "saved" nothing). Now the first of the model's and its
+    children's forwards to run applies the plan: the plans equal those of the same agent
+    called as agent(x)."""
+    def script(call: str) -> str:
+        return "\n".join([
+            "import torch, torch.nn as nn",
+            "class Agent(nn.Module):",
+            "    def __init__(self):",
+            "        super().__init__()",
+            "        self.body = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU())",
+            "        self.head = nn.Linear(512, 1)",
+            "    def act(self, x):",
+            "        return self.head(self.body(x))",
+            "    forward = act",
+            "agent = Agent().cuda()",
+            "opt = torch.optim.Adam(agent.parameters())",
+            "for step in range(8):",
+            f"    loss = {call}(torch.randn(4096, 512, device='cuda')).mean()",
+            "    opt.zero_grad(); loss.backward(); opt.step()",
+        ]) + "\n"
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "f").mkdir()
+    method, _ = advise_source(tmp_path / "m", script("agent.act"))
+    called, _ = advise_source(tmp_path / "f", script("agent"))
+    # Peak allocated and step time alike; reserved may differ by a block, as autocast's cache of
+    # bf16 weights empties where each child's autocast ends instead of the model's.
+    plans = {p["plan"]: (p["peak_allocated"], p["seconds"]) for p in called["plans"]}
+    assert {p["plan"]: (p["peak_allocated"], p["seconds"]) for p in method["plans"]} == plans
+    assert plans["bf16"][0] < plans["baseline"][0] and plans["accum2"][0] < plans["baseline"][0]
+    assert called["script_does"]["batch"] == {"x": [[4096, 512], "fp32"]}  # the model's argument
+    assert method["script_does"]["batch"] == {"input": [[4096, 512], "fp32"]}  # its body's
+
+
+def test_a_failing_checkpoint_fails_no_plan_without_it(tmp_path):
+    """Blocks whose recomputation differs from their forward (a path taken outside backward
+    only) break every checkpointing plan; ckpt+accum2's failure failed bf16+accum2/4/8 too,
+    as if their micro-batches had been the cause. Plans without checkpointing now run."""
+    data, _ = advise_source(tmp_path, "\n".join([
+        "import torch, torch.nn as nn",
+        "class Block(nn.Module):",
+        "    def __init__(self):",
+        "        super().__init__(); self.fc = nn.Linear(256, 256)",
+        "    def forward(self, x):",
+        "        y = self.fc(x)",
+        "        if torch._C._current_graph_task_id() == -1:",
+        "            y = y * torch.sigmoid(y)",
+        "        return x + torch.relu(y)",
+        "model = nn.Sequential(*[Block() for _ in range(3)], nn.Linear(256, 10)).cuda()",
+        "opt = torch.optim.AdamW(model.parameters())",
+        "for step in range(8):",
+        "    x, y = torch.randn(64, 256, device='cuda'), torch.randint(0, 10, (64,), device='cuda')",
+        "    nn.functional.cross_entropy(model(x), y).backward()",
+        "    opt.step(); opt.zero_grad()",
+    ]) + "\n")
+    assert data["failed"] and all("ckpt" in p for p in data["failed"]), data["failed"]
+    assert "CheckpointError" in data["failed"]["ckpt"]
+    assert {"accum2", "accum4", "accum8", "bf16+accum2", "bf16+accum4", "bf16+accum8"} <= {
+        p["plan"] for p in data["plans"]}
+
+
 def test_two_optimizers_over_one_model(tmp_path):
     # SGD for one layer, Adam for the other: each optimizer's step ended a plan's step, so
     # accumulation's was Adam's step alone, predicted 4 times faster than the baseline.

@@ -197,7 +197,8 @@ def test_scripts_see_the_target():
         assert bool(t.all()) and (t > 0).nonzero().shape == (3, 1)
         big = torch.ones(1 << 20, device="cuda")  # 4 MiB: values are not followed
         assert big.sum().item() == 1.0  # .item() answers 1
-        assert not bool(big.any())  # and truth tests False
+        assert not bool(big.sum() > 0)  # and truth tests False,
+        assert bool(big.any())  # but any(): a mask selects something
         assert torch.tensor(5.0).item() == 5.0  # real host tensors keep their values
         moved = torch.ones(2).cuda()
         assert moved.is_meta and moved.device.type == "cuda" and moved.tolist() == [1.0, 1.0]

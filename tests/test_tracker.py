@@ -565,6 +565,47 @@ def test_chains_to_user_saved_tensor_hooks():
     assert prof.report().modules[A].sum() == 0
 
 
+class CrossAttention(nn.Module):
+    """An encoder's output attended to as key and value, the same tensor twice (as
+    nn.TransformerDecoderLayer calls its cross-attention), the attention checkpointed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(64, 64)
+        self.attn = nn.MultiheadAttention(64, 4)
+
+    def forward(self, x, memory):
+        m = self.enc(memory)
+        return checkpoint(self.attn, x, m, m, need_weights=False, use_reentrant=False)[0]
+
+
+def test_checkpoint_inputs_passed_twice_stay_one_tensor():
+    """Under any saved-tensors hooks, checkpoint recomputed with each input a new tensor
+    object: MultiheadAttention's `key is value` path changed between forward and
+    recomputation ("Recomputed values ... have different metadata"), so training that runs
+    without memprof stopped under track. The inputs are still activations: once forward
+    is done, the checkpoint's saved input m (8 x 2 x 64 fp32, 4 KiB) is all there is (x and
+    memory are the model's inputs)."""
+    model = CrossAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, memory = torch.randn(8, 2, 64), torch.randn(8, 2, 64)
+    save_inputs = vars(torch.utils.checkpoint._CheckpointFrame)["save_inputs"]
+    with memprof.track(model, every=1) as prof:
+        for _ in range(3):
+            model(x, memory).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    r = prof.report()
+    assert len(r.steps) == 3
+    after_forward = r.timeline[(r.timeline["step"] == 2) & (r.timeline["phase"] == "loss")]
+    assert after_forward[[A, "inputs"]].values.tolist() == [[8 * 2 * 64 * 4, 2 * 8 * 2 * 64 * 4]]
+    assert vars(torch.utils.checkpoint._CheckpointFrame)["save_inputs"] is save_inputs  # unwrapped on exit
+    with pytest.raises(Boom), memprof.track(model):
+        raise Boom()
+    assert vars(torch.utils.checkpoint._CheckpointFrame)["save_inputs"] is save_inputs
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="nn.Module"):
         memprof.track("model")

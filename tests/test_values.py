@@ -106,6 +106,45 @@ def test_value_shaped_ops_on_unknown_values_take_their_upper_bound():
             torch.bincount(big.long())
 
 
+def test_a_known_mask_sizes_its_selection_of_unknown_values():
+    """x[mask] and masked_select where the mask's values are known and x's are not (SimCLR's
+    similarity matrix of features without its diagonal, a label matrix's positives): the mask
+    alone decides the size, exactly, and no upper bound is noted."""
+    with VirtualCUDA("h200") as gpu:
+        features = torch.randn(LIMIT, device="cuda").view(1024, 1024)  # 4 MiB: not followed
+        eye = torch.eye(1024, dtype=torch.bool, device="cuda")  # 1 MiB: followed
+        assert features[~eye].shape == (1024 * 1023,)
+        assert features[~eye].view(1024, -1).shape == (1024, 1023)
+        labels = torch.arange(8, device="cuda") % 4
+        positives = labels[None] == labels[:, None]  # 8 x 8, 16 true
+        assert features[:8, :8][positives].shape == (16,)
+        assert torch.masked_select(features[:8, :8], positives[0]).shape == (8 * 2,)  # broadcast over rows
+        assert features[eye[0]].shape == (1, 1024)
+        assert not any(k.startswith("upper bound") for k in gpu.notes)
+
+
+def test_truths_the_step_branches_on_from_values_not_followed():
+    """A mixture's router skips experts with `if not mask.any(): continue`, where the mask
+    comes from a large tensor's argmax: every expert was skipped (made-up False), so their
+    activations and optimizer state vanished. any() of values not followed is now true (all()
+    stays false, as any other made-up truth: a decoding loop runs to its length); a NaN check
+    finds none, a finiteness check passes; both noted for the report."""
+    with VirtualCUDA("h200") as gpu:
+        logits = torch.randn(LIMIT, 4, device="cuda")  # 16 MiB: not followed
+        mask = logits.argmax(-1) == 2
+        assert gpu.values.shadow(mask) is None
+        assert mask.any() and not mask.all() and (logits >= 0).any().item() is True
+        assert gpu.values.shadow(mask.view(-1, 4).any(dim=0)) is None  # over a dimension: not assumed
+        loss = logits.square().mean()
+        assert not torch.isnan(loss) and not torch.isinf(loss) and torch.isfinite(loss)
+        assert not torch.isnan(loss).logical_or(torch.isinf(loss))  # clip_grad_norm_'s check
+        assert not torch.isnan(logits).any() and not (~torch.isfinite(logits)).any()  # too large for a shadow
+        assert torch.isfinite(logits).all() and not torch.isinf(logits).all()
+        assert "any()" in gpu.notes and "finite values" in gpu.notes
+        known = torch.tensor([0.0, float("nan")], device="cuda")
+        assert torch.isnan(known).any() and not torch.isfinite(known).all()  # known values: their answer
+
+
 def test_samplers_without_meta_kernels():
     """torch.distributions' Beta, Dirichlet and Binomial sample with kernels that have no meta
     implementation; a check inside a kernel (istft's) reads values through C++'s item()."""
