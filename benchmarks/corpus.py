@@ -75,6 +75,13 @@ CORPUS: dict[str, tuple[str, str, list[str], bool]] = {
     "moco-clip": (".", "moco_clip.py", [], False),
     "audio-cnn": (".", "audio_cnn.py", [], False),
     "gnn-recsys": (".", "gnn_recsys.py", [], False),
+    "diffusion-finetune": (".", "diffusion_finetune.py", [], False),
+    "ppo-agent": (".", "ppo_agent.py", [], False),
+    "simclr-lars": (".", "simclr_lars.py", [], False),
+    "seq2seq-noam": (".", "seq2seq_noam.py", ["--updates", "6"], False),
+    "dcgan-specnorm": (".", "dcgan_specnorm.py", [], False),
+    "moe-router": (".", "moe_router.py", [], False),
+    "leak-checkpoint-sequential": (".", "leak_checkpoint_sequential.py", [], False),
 }
 
 

@@ -438,6 +438,12 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
     return out
 
 
+def _sequence_first(model: nn.Module) -> str | None:
+    """The first of ``model``'s modules that lays out its batch sequence first (nn.Transformer,
+    nn.MultiheadAttention and nn.LSTM without ``batch_first=True``), by class; else None."""
+    return next((type(m).__name__ for m in model.modules() if getattr(m, "batch_first", None) is False), None)
+
+
 def _without_accumulation(strategies: list) -> set[str]:
     from memprof.strategies import Accumulation
 
@@ -604,7 +610,9 @@ class _Schedule:
             # refuses a micro-batch of one); without this plan's other strategies, another plan may
             # run (checkpointing's failure is not bf16's).
             message += (" (memprof runs 1/K of the batch to simulate K micro-batches, cutting its tensors where "
-                        "they reach the device, and the script's step could not follow)")
+                        "they reach the device, and the script's step could not follow"
+                        + (f"; {_sequence_first(self.model)} takes its batch sequence first, which memprof does not cut"
+                           if _sequence_first(self.model) else "") + ")")
             others = _without_accumulation(self.plans[name])
             failing += [p for p in self.pending() if p != name and _micro_batches(self.plans[p]) >= k
                         and others <= _without_accumulation(self.plans[p])]

@@ -153,6 +153,14 @@ class Values(TorchDispatchMode):
             host = torch.zeros(args[0].shape, dtype=args[0].dtype, device=_CPU)
             self._keep(out, func(host, *map_leaves(self._cpu, args[1:]), **_host(map_leaves(self._cpu, kwargs))))
             return out
+        if not known and name in _SPREAD and func._overloadname in ("default", "dim"):
+            out = func(*args, **kwargs)
+            indices = out if isinstance(out, torch.Tensor) else out[1]
+            if indices.dtype is torch.long and _whole(indices, self.limit):
+                self._keep(indices, _spread(func, args, kwargs, indices))
+                _note("topk, argmax", "of values not followed: indices spread evenly over their dimension (a "
+                      "router's experts get equal shares of the tokens)")
+            return out
         if not known and name in _OF_CONSTANTS and func._overloadname != "out":
             value = self._constants.get(weakref.ref(metas[0].untyped_storage()))
             if value is not None:  # isnan(x).any() of an x too large to follow: no NaN
@@ -356,6 +364,33 @@ def _ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, 
 
 
 _warned: set[str] = set()
+
+
+#: Operators that pick indices by values (a mixture's router: top-k experts per token), whose
+#: indices are made up where the values are not followed: spread evenly over the dimension, each
+#: row's k distinct. Sized for every token at every expert instead (x[mask] of a routing mask),
+#: a mixture's experts held E / k times their activations (Mixtral: four times).
+_SPREAD = {"aten::topk", "aten::argmax", "aten::argmin", "aten::max", "aten::min"}
+
+
+def _spread(func, args: tuple, kwargs: dict, indices: torch.Tensor) -> torch.Tensor:
+    """``func``'s indices spread evenly: row r (in C order over the other dimensions) takes
+    r * k, r * k + 1, ... modulo the dimension's size, for k indices per row (topk's k, else 1)."""
+    schema = func._schema.arguments
+    defaults = {a.name: a.default_value for a in schema if a.has_default_value()}  # topk's dim=-1
+    given = {**defaults, **dict(zip((a.name for a in schema), args)), **kwargs}
+    x, dim = given["self"], given.get("dim")
+    if dim is None:  # argmax over all elements: one index
+        return torch.zeros(indices.shape, dtype=torch.long)
+    dim = dim % max(x.dim(), 1)
+    n = x.shape[dim] if x.dim() else 1
+    k = given.get("k", 1) if func._schema.name == "aten::topk" else 1
+    rows = indices.numel() // max(k, 1)
+    spread = (torch.arange(rows)[:, None] * k + torch.arange(k)[None, :]) % max(n, 1)
+    if func._schema.name == "aten::topk" or given.get("keepdim"):
+        moved = list(indices.movedim(dim, -1).shape)
+        return spread.reshape(moved).movedim(-1, dim)
+    return spread.reshape(indices.shape)
 
 
 #: Reductions to one truth value whose answer on values not followed is taken as true: a

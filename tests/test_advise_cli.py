@@ -526,6 +526,27 @@ def test_a_failing_checkpoint_fails_no_plan_without_it(tmp_path):
         p["plan"] for p in data["plans"]}
 
 
+def test_accumulation_that_fails_on_a_sequence_first_batch_says_so(tmp_path):
+    """nn.Transformer lays out its batch sequence first (S, N, E): memprof cuts the first
+    dimension, the sequence, and the padding masks (N, S) no longer match. The plans fail,
+    saying which module takes its batch that way; checkpointing the layers runs."""
+    data, _ = advise_source(tmp_path, "\n".join([
+        "import torch, torch.nn as nn",
+        "model = nn.Transformer(d_model=64, nhead=4, num_encoder_layers=2, num_decoder_layers=2,",
+        "                       dim_feedforward=128).cuda()",
+        "opt = torch.optim.Adam(model.parameters())",
+        "for step in range(8):",
+        "    src, tgt = torch.randn(24, 16, 64, device='cuda'), torch.randn(20, 16, 64, device='cuda')",
+        "    pad = torch.zeros(16, 24, dtype=torch.bool, device='cuda')",
+        "    out = model(src, tgt, src_key_padding_mask=pad, memory_key_padding_mask=pad)",
+        "    out.square().mean().backward()",
+        "    opt.step(); opt.zero_grad()",
+    ]) + "\n")
+    assert {"accum2", "accum4", "accum8"} <= set(data["failed"])
+    assert "Transformer takes its batch sequence first" in data["failed"]["accum2"]
+    assert "ckpt" in {p["plan"] for p in data["plans"]}
+
+
 def test_two_optimizers_over_one_model(tmp_path):
     # SGD for one layer, Adam for the other: each optimizer's step ended a plan's step, so
     # accumulation's was Adam's step alone, predicted 4 times faster than the baseline.

@@ -145,6 +145,31 @@ def test_truths_the_step_branches_on_from_values_not_followed():
         assert torch.isnan(known).any() and not torch.isfinite(known).all()  # known values: their answer
 
 
+def test_a_router_of_values_not_followed_spreads_tokens_evenly():
+    """A mixture's router picks experts by values the simulation does not follow. Sized for
+    its upper bound, every expert took every token (Hugging Face's Mixtral block: torch.where
+    over a one-hot of the top-k, k x N tokens an expert, E times too many); the indices of
+    topk and argmax are now spread evenly, each row's k distinct: N k / E tokens an expert."""
+    n, e, k = 4096, 8, 2
+    with VirtualCUDA("h200") as gpu:
+        hidden = torch.randn(n, 1024, device="cuda")  # 16 MiB: not followed
+        logits = hidden[:, :e] * 1.0
+        weights, selected = torch.topk(logits.softmax(-1), k, dim=-1)
+        assert gpu.values.shadow(weights) is None  # the weights stay unknown
+        expert_mask = torch.nn.functional.one_hot(selected, num_classes=e).permute(2, 1, 0)
+        hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        assert hit.shape == (e, 1)
+        for expert in range(e):
+            idx, top_x = torch.where(expert_mask[expert])
+            assert top_x.shape == (n * k // e,)
+            assert hidden[None, top_x].reshape(-1, 1024).shape == (n * k // e, 1024)
+        assert (selected[:, 0] != selected[:, 1]).all()  # two distinct experts a token
+        switch = logits.argmax(-1)  # top-1 routing
+        assert [int((switch == x).sum()) for x in range(e)] == [n // e] * e
+        assert logits.max(dim=-1).indices.shape == (n,) and hidden.argmax().item() == 0
+        assert "topk, argmax" in gpu.notes and not any(key.startswith("upper bound") for key in gpu.notes)
+
+
 def test_samplers_without_meta_kernels():
     """torch.distributions' Beta, Dirichlet and Binomial sample with kernels that have no meta
     implementation; a check inside a kernel (istft's) reads values through C++'s item()."""
