@@ -95,9 +95,15 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
     # a two-tower model's score()): the first of them to run applies the plan, the calls
     # inside it pass straight through.
     depth = [0]
-    for module in (model, *(c for c in model.children() if type(c).forward is not nn.Module.forward)):
+    for module in _entries(model):
         w.patch(module, "forward", _outermost(module.forward, planned(module.forward), depth))
     return w
+
+
+def _entries(model: nn.Module) -> list[nn.Module]:
+    """Where a step enters ``model``: its forward, or its children's (those with a forward of
+    their own) for a model trained through its methods."""
+    return [model, *(c for c in model.children() if type(c).forward is not nn.Module.forward)]
 
 
 def _outermost(plain, planned, depth: list[int]):
@@ -341,7 +347,7 @@ class _Watch:
         # to run outside another is the step's entry (as memprof.script_advice applies plans).
         self._entry: weakref.ref | None = None
         self._open: list[bool] = []  # per entry forward running: whether it counts
-        for m in (model, *(c for c in model.children() if type(c).forward is not nn.Module.forward)):
+        for m in _entries(model):
             self._handles += [m.register_forward_pre_hook(Shared(self._on_entry), with_kwargs=True),
                               m.register_forward_hook(Shared(self._on_entry_end), always_call=True)]
         self._optimizers = weakref.WeakSet([opt])

@@ -158,8 +158,8 @@ class _Mode(TorchFunctionMode):
                 "differ on a GPU; measure there for them")
         if name in _FINITE_CHECKS and args and _on_meta(args[0]) and self.vc.values.shadow(args[0]) is None:
             out = func(*args, **kwargs)
-            if self.vc.values.assume(out, _FINITE_CHECKS[name]):
-                _note("finite values", "isnan, isinf and isfinite of values not followed: taken as finite")
+            self.vc.values.assume(out, _FINITE_CHECKS[name])
+            _note("finite values", "isnan, isinf and isfinite of values not followed: taken as finite")
             return out
         if name == "dropout" and not isinstance(func, FunctionType) and args and _on_meta(args[0]):
             return _dropout(*args, **kwargs)
