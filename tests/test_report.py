@@ -147,6 +147,16 @@ def test_old_schema_is_refused(report):
         Report.from_dict(d)
 
 
+def test_other_models_round_trip_and_older_files_load(report):
+    """Reports keep the other models by name; a file saved before they were kept loads with none."""
+    from dataclasses import replace
+
+    d = replace(report, other_models={"teacher": 3 * MiB}).to_dict()
+    assert Report.from_dict(d).other_models == {"teacher": 3 * MiB}
+    del d["other_models"]
+    assert Report.from_dict(d).other_models == {}
+
+
 def test_module_tree_folds_a_stack_of_identical_blocks():
     """Twelve transformer layers that hold the same are one line, not twelve."""
     import torch
