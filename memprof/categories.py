@@ -25,8 +25,9 @@ class Category(str, Enum):
     INPUTS = "inputs"
     #: Parameters and buffers of modules outside the tracked model that the
     #: script keeps on the device: a frozen VAE or text encoder, a teacher, a
-    #: reference model, an EMA copy. Each is named by the variable that holds
-    #: it (``Report.other_models``); it belongs to no module of the tracked model.
+    #: reference model, an EMA copy; and copies of the model's parameters it
+    #: keeps as tensors (an EMA's shadow parameters). Each is named by the variable
+    #: that holds it (``Report.other_models``); it belongs to no module of the tracked model.
     OTHER_MODELS = "other_models"
     #: cuBLAS's workspaces: scratch memory PyTorch takes from its caching
     #: allocator for each cuBLAS handle and stream (one per thread that runs

@@ -3,43 +3,66 @@
 A loop's frames say what the script works with beyond the model it trains:
 a model trained through its methods (``model.score(u, i)``), and the other
 models it keeps on the device (a frozen VAE and text encoder, a teacher, a
-reference model, an EMA copy), each under the name the script gives it.
+reference model, an EMA copy, an EMA's shadow parameters), each under the name
+the script gives it.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
+import types
 from types import FrameType
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["script_modules"]
+__all__ = ["script_modules", "script_variables"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _MEMPROF_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def script_modules(frame: FrameType | None) -> list[tuple[str, nn.Module]]:
-    """The modules the frames of the script's code hold, from ``frame`` outwards,
-    each once, with the name it is held by there: their local variables (a
-    script's top level: its globals) and, for a method, its object's attributes
-    (a trainer's ``self.model``). PyTorch's and memprof's own frames are skipped."""
-    found: dict[int, tuple[str, nn.Module]] = {}  # by identity, for this call only: the modules are held
+def script_variables(frame: FrameType | None) -> list[tuple[str, Any]]:
+    """The values the frames of the script's code hold, from ``frame`` outwards, each
+    once, with the name it is held by there: their local variables (a script's top
+    level: its globals), for a method its object's attributes (a trainer's
+    ``self.model``), and one level into the other objects they hold (an EMA helper's
+    ``ema.shadow_params``, a pipeline's ``pipe.vae``). PyTorch's and memprof's own
+    frames are skipped."""
+    found: dict[int, tuple[str, Any]] = {}  # by identity, for this call only: the values are held
     while frame is not None:
         code = frame.f_code.co_filename
         if not code.startswith(_TORCH_DIR) and not code.startswith(_MEMPROF_DIR):
             values = _locals(frame)
             owner = dict(values).get("self")
-            if owner is not None and not isinstance(owner, nn.Module):
-                values += list(getattr(owner, "__dict__", {}).items())
+            if _plain(owner):
+                values += list(vars(owner).items())
             for name, v in values:
-                if isinstance(v, nn.Module):
-                    found.setdefault(id(v), (name, v))
+                found.setdefault(id(v), (name, v))
+                if _plain(v):
+                    for attr, a in list(vars(v).items()):
+                        found.setdefault(id(a), (f"{name}.{attr}", a))
         frame = frame.f_back
     return list(found.values())
+
+
+def script_modules(frame: FrameType | None) -> list[tuple[str, nn.Module]]:
+    """The modules among :func:`script_variables`."""
+    return [(n, v) for n, v in script_variables(frame) if isinstance(v, nn.Module)]
+
+
+def _plain(v: Any) -> bool:
+    """Whether ``v`` is an object of the script's whose attributes are worth a look: not a
+    module, tensor, class, imported module or function, and with attributes of its own."""
+    return (v is not None and not isinstance(v, _OPAQUE) and isinstance(getattr(v, "__dict__", None), dict))
+
+
+_OPAQUE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
+           types.BuiltinFunctionType, functools.partial)
 
 
 def _locals(frame: FrameType) -> list[tuple[str, object]]:

@@ -48,7 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .allocator import counters_for
 from .categories import ALLOCATED, Category
-from .frames import script_modules
+from .frames import script_modules, script_variables
 from .hooks import Shared, transformed
 from .ledger import Ledger
 from .report import MODULE_CATEGORIES, MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Phase, Report
@@ -707,13 +707,27 @@ class Tracker:
         if full:
             for opt in self._own_optimizers():
                 self._record_optimizer_state(opt)
-            found = script_modules(sys._getframe(1))
-            names = dict((id(m), n) for n, m in found)
-            for _, module in found:
-                if module not in self._outside and module not in self._names:
-                    self._adopt_other(module, names)
+            found = script_variables(sys._getframe(1))
+            names = dict((id(v), n) for n, v in found)
+            for name, v in found:
+                if isinstance(v, nn.Module):
+                    if v not in self._outside and v not in self._names:
+                        self._adopt_other(v, names)
+                elif isinstance(v, (list, tuple, dict)) and len(v) == len(self._params):
+                    self._record_copy(name, list(v.values()) if isinstance(v, dict) else v)
             for module, name in list(self._others.items()):
                 self._record_other(module, name)
+
+    def _record_copy(self, name: str, values: list) -> None:
+        """Record ``values`` as another model's if they are a copy of the tracked model's
+        parameters on the device, shape for shape: an EMA's shadow parameters (diffusers'
+        ``EMAModel.shadow_params``), the best weights so far, kept as tensors, not a module."""
+        shapes = sorted(tuple(p.shape) for ref, _, _ in self._params if (p := ref()) is not None)
+        if not (all(isinstance(t, torch.Tensor) and self._on_device(t) and not t.requires_grad for t in values)
+                and sorted(tuple(t.shape) for t in values) == shapes):
+            return
+        for t in values:
+            self._ledger.add(_storage(t), Category.OTHER_MODELS, "", name)
 
     def _adopt_other(self, module: nn.Module, names: dict[int, str]) -> None:
         """Follow ``module``, met outside the tracked model, as another model if it

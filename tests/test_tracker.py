@@ -355,15 +355,26 @@ def test_copies_of_the_tracked_model_work_and_stay_untracked():
 
 def test_other_models_the_script_keeps_are_named_by_its_variables():
     """A frozen teacher called in the loop, an EMA the loop updates but never calls, and a
-    frozen encoder reached through a dict: their weights are the script's, not temporaries
-    of the step. The teacher and the EMA are named by the variables holding them; the
+    frozen encoder reached through a dict, an EMA kept as a list of tensors (diffusers'
+    EMAModel) and the best weights so far as a state_dict's copy: their weights are the
+    script's, not temporaries of the step. Each is named by the variable holding it; the
     encoder, held by no variable, by its class. None of them enters the module table."""
     from torch.optim.swa_utils import AveragedModel
+
+    class ShadowEMA:
+        def __init__(self, parameters):
+            self.shadow_params = [p.detach().clone() for p in parameters]
+
+        def step(self, parameters):
+            for shadow, p in zip(self.shadow_params, parameters):
+                shadow.lerp_(p.detach(), 0.01)
 
     model = mlp()
     teacher = nn.Linear(512, 512, bias=False).requires_grad_(False)  # 1 MiB
     ema = AveragedModel(model)  # a copy of the model (2 MiB) and n_averaged, one int64
+    shadow = ShadowEMA(model.parameters())  # 2 MiB
     frozen = {"encoder": nn.Linear(512, 256, bias=False).requires_grad_(False)}  # 0.5 MiB
+    best = {k: v.clone() for k, v in model.state_dict().items()}  # 2 MiB, kept to restore later
     opt = torch.optim.AdamW(model.parameters())
     with memprof.track(model) as prof:
         for _ in range(3):
@@ -373,9 +384,12 @@ def test_other_models_the_script_keeps_are_named_by_its_variables():
             opt.step()
             opt.zero_grad()
             ema.update_parameters(model)
+            shadow.step(model.parameters())
     r = prof.report()
-    assert r.other_models == {"teacher": MiB, "ema": 2 * MiB + 8, "Linear": MiB // 2}
-    assert r.peak.bytes["other_models"] == MiB + 2 * MiB + 8 + MiB // 2
+    assert r.other_models == {"teacher": MiB, "ema": 2 * MiB + 8, "Linear": MiB // 2,
+                              "shadow.shadow_params": 2 * MiB, "best": 2 * MiB}
+    assert r.peak.bytes["other_models"] == MiB + 2 * MiB + 8 + MiB // 2 + 2 * MiB + 2 * MiB
+    assert best and list(frozen) == ["encoder"]
     assert r.peak.bytes["parameters"] == 2 * MiB and r.optimizer_state["exp_avg"] == 2 * MiB
     assert list(r.modules.index) == ["Sequential", "Sequential.0", "Sequential.1", "Sequential.2"]
     assert "other_models" not in r.modules.columns
