@@ -14,6 +14,7 @@ import inspect
 import os
 import sys
 import types
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -42,10 +43,13 @@ def script_variables(frame: FrameType | None) -> list[tuple[str, Any]]:
             if _plain(owner):
                 values += list(vars(owner).items())
             for name, v in values:
+                if type(v) in _PROXIES:  # Lightning's proxies of its trainer: what they stand for is held elsewhere
+                    continue
                 found.setdefault(id(v), (name, v))
                 if _plain(v):
                     for attr, a in list(vars(v).items()):
-                        found.setdefault(id(a), (f"{name}.{attr}", a))
+                        if type(a) not in _PROXIES:
+                            found.setdefault(id(a), (f"{name}.{attr}", a))
         frame = frame.f_back
     return list(found.values())
 
@@ -61,6 +65,8 @@ def _plain(v: Any) -> bool:
     return (v is not None and not isinstance(v, _OPAQUE) and isinstance(getattr(v, "__dict__", None), dict))
 
 
+# weakref.proxy objects pass isinstance checks for what they stand for, but cannot be weakly referenced.
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 _OPAQUE = (nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
            types.BuiltinFunctionType, functools.partial)
 

@@ -396,6 +396,19 @@ def test_other_models_the_script_keeps_are_named_by_its_variables():
     assert_adds_up(r)
 
 
+def test_a_proxy_of_a_module_in_the_loop():
+    """Lightning holds weakref.proxy objects of its trainer: they pass isinstance checks for
+    what they stand for but cannot be weakly referenced ("cannot create weak reference to
+    'weakref.CallableProxyType' object" stopped tracking). They are passed over."""
+    model, frozen = mlp(), nn.Linear(512, 512, bias=False)
+    proxies = (weakref.proxy(model), weakref.proxy(frozen))  # noqa: F841 (held by the frame)
+    alias = proxies[1]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.track(model) as prof:
+        train(model, opt, torch.randn(512, 512), 2)
+    assert isinstance(alias, nn.Module) and prof.report().other_models == {"frozen": MiB}
+
+
 def test_reading_the_scripts_frames_keeps_nothing_alive():
     """Before Python 3.13 a function's frame keeps the snapshot its f_locals made: a tensor
     the script deleted after memprof looked for its modules stayed alive (a step's logits,
