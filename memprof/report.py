@@ -263,7 +263,8 @@ class Report:
             device=d["device"],
             peak=Breakdown.from_dict(d["peak"]) if d["peak"] else None,
             optimizer_state={k: int(v) for k, v in d["optimizer_state"].items()},
-            other_models={k: int(v) for k, v in d.get("other_models", {}).items()},  # reports saved before the field: none named
+            # Reports saved before other models were kept name none.
+            other_models={k: int(v) for k, v in d.get("other_models", {}).items()},
             modules=modules,
             timeline=pd.DataFrame(d["timeline"]),
             steps=pd.DataFrame(d["steps"], columns=STEP_COLUMNS),
