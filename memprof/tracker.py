@@ -48,7 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .allocator import counters_for
 from .categories import ALLOCATED, Category
-from .frames import script_modules, script_variables
+from .frames import script_variables
 from .hooks import Shared, transformed
 from .ledger import Ledger
 from .report import MODULE_CATEGORIES, MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Phase, Report
@@ -729,20 +729,22 @@ class Tracker:
         for t in values:
             self._ledger.add(_storage(t), Category.OTHER_MODELS, "", name)
 
-    def _adopt_other(self, module: nn.Module, names: dict[int, str]) -> None:
+    def _adopt_other(self, module: nn.Module, names: dict[int, str] | None = None) -> None:
         """Follow ``module``, met outside the tracked model, as another model if it
         holds parameters or buffers: named by the variable the script holds it by
-        (``names``: the script's modules by identity, for this call), else by its
-        class; a name two modules share is numbered."""
+        (``names``: the script's values by identity, read from its frames where not
+        given), else by its class; a name two modules share is numbered."""
         for m in module.modules():
             self._outside.add(m)
         if next(module.parameters(), None) is None and next(module.buffers(), None) is None:
-            return
-        name = names.get(id(module)) or type(module).__name__
+            return  # a loss module or an activation called outside the model: no frames read
+        if names is None:
+            names = {id(v): n for n, v in script_variables(sys._getframe(2))}
+        base = name = names.get(id(module)) or type(module).__name__
         taken, n = set(self._others.values()), 1
         while name in taken:
             n += 1
-            name = f"{names.get(id(module)) or type(module).__name__}#{n}"
+            name = f"{base}#{n}"
         self._others[module] = name
         self._record_other(module, name)
 
@@ -908,7 +910,7 @@ class Tracker:
         name = self._names.get(module) or self._adopt_compiled(module, args)
         if name is None:  # a module outside the tracked model: part of its caller
             if module not in self._outside:
-                self._adopt_other(module, dict((id(m), n) for n, m in script_modules(sys._getframe(1))))
+                self._adopt_other(module)
             return
         outer = not self._fwd
         if outer:
