@@ -44,6 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .frames import script_modules
 from .hooks import transformed
 from .report import Report
+from .manual_steps import GradientWatch
 from .tracker import Tracker, _uncompiled, track
 
 __all__ = ["ScriptError", "observe_script"]
@@ -87,6 +88,10 @@ class _Observer:
         self.on_model, self.on_step = on_model, on_step
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.optimizer_steps = 0  # optimizer steps seen before tracking began
+        # Before any optimizer steps: each outermost module's gradients, to see a loop that updates
+        # the parameters itself (memprof.manual_steps), and the steps seen of such a loop.
+        self._watches: weakref.WeakKeyDictionary[nn.Module, GradientWatch] = weakref.WeakKeyDictionary()
+        self.manual_steps = 0
         self.tracker: Tracker | None = None
         self._seen_step = 0  # the tracker's step count when an optimizer step last ended one
         self.error: str | None = None  # a failure inside a hook, raised at the next one
@@ -107,6 +112,7 @@ class _Observer:
     def install(self) -> None:
         self._stack.callback(self._restore_profile)
         self._stack.callback(self._tracking.close)
+        self._stack.callback(self._unwatch)
         for handle in (
             register_module_forward_pre_hook(self._on_forward_pre),
             register_module_forward_hook(self._on_forward, always_call=True),
@@ -134,7 +140,38 @@ class _Observer:
             self._outermost[module] = next(self._seq)
             if self.early and self._early is None and self.tracker is None and self._pending is None:
                 self._watch_early(module, args)
+            if self.optimizer_steps == 0 and self.tracker is None and self._pending is None:
+                self._depth += 1  # the forward hook takes it off again, also if tracking cannot start
+                self._watch_manual(module, args)
+                return
         self._depth += 1
+
+    def _watch_manual(self, module: nn.Module, args: tuple) -> None:
+        """Count the steps of a model trained without an optimizer (memprof.manual_steps),
+        each seen where the model's next forward begins; tracking starts in the forward
+        after the ``warmup``-th (the second at least)."""
+        watch = self._watches.get(module)
+        if watch is None:
+            self._watches[module] = GradientWatch(module)
+            return
+        if not watch.stepped():
+            return
+        self.manual_steps += 1
+        # Two at least: one forward and backward before training (a check that the loss goes
+        # down, then zero_grad) is not taken for a loop without an optimizer.
+        if self.manual_steps < max(self.warmup, 2):
+            return
+        self._unwatch()
+        if self.simulated and not any(p.is_meta for p in module.parameters()):
+            raise _Stop(_not_moved(module))
+        self._trained = [(module, None)]
+        self._pending = (module, [])
+        self._start(args)
+
+    def _unwatch(self) -> None:
+        for watch in self._watches.values():
+            watch.remove()
+        self._watches.clear()
 
     def _watch_early(self, module: nn.Module, args: tuple) -> None:
         self.early = False  # once
@@ -173,17 +210,12 @@ class _Observer:
             self._another_optimizer(opt)
             return
         self.optimizer_steps += 1
+        self._unwatch()
         if self.optimizer_steps < self.warmup:
             return
         model = self._find_model(opt)
         if self.simulated and not any(p.is_meta for p in model.parameters()):
-            first = next(model.parameters(), None)
-            where = first.device.type if first is not None else "host"
-            raise _Stop(
-                f"{type(model).__name__} trains on the {where}, not on the simulated GPU: the script did not move it "
-                "to CUDA (it may pick its device from an option or an environment variable); run it the way it "
-                "trains on a GPU, e.g. pass its device option as 'cuda' after --"
-            )
+            raise _Stop(_not_moved(model))
         self._trained = [(model, opt)]
         self._pending = (model, [opt])
         self._start_after(sys._getframe(1))
@@ -196,20 +228,14 @@ class _Observer:
         call with every optimizer seen (this one ends each step) and every model
         (several as one ``nn.ModuleDict``). Plans (``on_model``) apply to one model
         and its optimizer: advice keeps the first (its facts say what else trains)."""
-        if self.on_model is not None or any(opt is o for _, o in self._trained):
-            return
+        if self.on_model is not None or any(opt is o for _, o in self._trained) or self._trained[0][1] is None:
+            return  # (nor where the model trains without one: an optimizer of another model's is not its)
         model = self._find_model(opt, quiet=True)
         if model is None:
             return
         self._trained.append((model, opt))
-        models = list(dict.fromkeys(m for m, _ in self._trained))
-        models = [m for m in models if not any(m is not o and any(m is c for c in o.modules()) for o in models)]
-        names: dict[str, nn.Module] = {}
-        for m in models:
-            name = type(_uncompiled(m)).__name__
-            names[name if name not in names else f"{name}_{len(names)}"] = m
-        self._root = nn.ModuleDict(names) if len(models) > 1 else None
-        self._pending = (self._root or models[0], [o for _, o in self._trained])
+        model = self._as_one([m for m, _ in self._trained])
+        self._pending = (model, [o for _, o in self._trained])
         self._start_after(sys._getframe(2))
 
     def _start_after(self, frame) -> None:
@@ -226,9 +252,10 @@ class _Observer:
         sys.setprofile(on_return)
         self._profiling = True
 
-    def _on_tracked_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        # Registered after the tracker's own step hook, so the step is recorded first. Every
-        # optimizer's step calls it; a step ended only where the tracker's count moved (with
+    def _on_tracked_step(self, *hook_args: Any) -> None:
+        # Registered after the tracker's own step hook (an optimizer's, or the forward pre-hook
+        # that ends a step without one), so the step is recorded first. Every optimizer's step
+        # and every forward calls it; a step ended only where the tracker's count moved (with
         # SGD and Adam over parts of one model, only one of them ends it).
         if self.tracker is not None and self.tracker.step != self._seen_step:
             self._seen_step = self.tracker.step
@@ -245,7 +272,9 @@ class _Observer:
         self._check()
 
     # -- tracking --------------------------------------------------------------
-    def _start(self) -> None:
+    def _start(self, forward_args: tuple | None = None) -> None:
+        """Track the pending model: from now, after an optimizer's step; with ``forward_args``,
+        from inside the model's forward called with them (a model trained without an optimizer)."""
         model, opts = self._pending
         self._pending = None
         self._end_early()
@@ -253,12 +282,15 @@ class _Observer:
         self.tracker = None
         try:
             if self.on_model is not None:  # e.g. the advisor applying a plan to the script's model
-                self.on_model(model, opts[0])
-            tracker = track(model, opts if len(opts) > 1 else opts[0], warmup=self.steps, every=1,
+                self.on_model(model, opts[0] if opts else None)
+            tracker = track(model, opts if len(opts) > 1 else opts[0] if opts else None, warmup=self.steps, every=1,
                             timeline_steps=self.steps, full=True)
             # As Python, even where the step returns inside a compiled function (torch.compile
             # of a function that steps the optimizer): Dynamo would trace memprof's own code.
-            torch.compiler.disable(tracker.__enter__)()
+            if forward_args is None:
+                torch.compiler.disable(tracker.__enter__)()
+            else:
+                tracker._enter_in_forward(model, forward_args)
         except Exception as exc:  # e.g. the script already runs memprof.track itself
             self.error = f"memprof could not start tracking {type(model).__name__}: {exc}"
             return
@@ -266,15 +298,33 @@ class _Observer:
         # An unfinished step (forwards after the last optimizer step) is no
         # training step: exit as if interrupted, which drops it.
         self._tracking.callback(tracker.__exit__, _Stop, _Stop(), None)
-        self._tracking.callback(register_optimizer_step_post_hook(torch.compiler.disable(self._on_tracked_step)).remove)
+        on_step = torch.compiler.disable(self._on_tracked_step)
+        if opts:
+            self._tracking.callback(register_optimizer_step_post_hook(on_step).remove)
+            optimizers = ", ".join(type(o).__name__ for _, o in self._trained)
+            how = f"with {optimizers} from optimizer step {self.optimizer_steps + 1}"
+        else:
+            self._tracking.callback(register_module_forward_pre_hook(on_step).remove)
+            how = f"without an optimizer (the script updates the parameters) from step {self.manual_steps + 1}"
         models = " and ".join(model.keys()) if model is self._root else type(_uncompiled(model)).__name__
-        optimizers = ", ".join(type(o).__name__ for _, o in self._trained)
-        log.info("tracking %s with %s from optimizer step %d", models, optimizers, self.optimizer_steps + 1)
+        log.info("tracking %s %s", models, how)
 
     def _restore_profile(self) -> None:
         if self._profiling:
             sys.setprofile(self._previous_profile)
             self._profiling, self._previous_profile = False, None
+
+    def _as_one(self, models: list[nn.Module]) -> nn.Module:
+        """The outermost of ``models``, several as one ``nn.ModuleDict`` (kept as the root, which the
+        tracker holds weakly) by class name."""
+        models = list(dict.fromkeys(c for m in models for c in (m.values() if m is self._root else [m])))
+        models = [m for m in models if not any(m is not o and any(m is c for c in o.modules()) for o in models)]
+        names: dict[str, nn.Module] = {}
+        for m in models:
+            name = type(_uncompiled(m)).__name__
+            names[name if name not in names else f"{name}_{len(names)}"] = m
+        self._root = nn.ModuleDict(names) if len(models) > 1 else None
+        return self._root or models[0]
 
     def _find_model(self, opt: torch.optim.Optimizer, quiet: bool = False) -> nn.Module | None:
         """The outermost module called so far that holds most of ``opt``'s parameters
@@ -296,6 +346,18 @@ class _Observer:
                     if best_key[0] < len(wanted) or sum(1 for _ in module.parameters()) < sum(
                             1 for _ in best.parameters()):
                         best, best_key = module, (held, -1)
+        if best is not None and best_key[0] < len(wanted):
+            # One optimizer over two models called apart (NeRF's coarse and fine networks):
+            # the outermost modules called that hold the rest, tracked as one with it.
+            found = {id(p) for p in best.parameters()} & wanted
+            models = [best]
+            for module in sorted(list(self._outermost), key=lambda m: -sum(id(p) in wanted for p in m.parameters())):
+                more = {id(p) for p in module.parameters()} & wanted - found
+                if more:
+                    models.append(module)
+                    found |= more
+            if found == wanted:
+                return self._as_one(models)
         if best is None and quiet:
             return None
         if best is None:
@@ -309,6 +371,14 @@ class _Observer:
                 type(best).__name__, best_key[0], len(wanted), type(opt).__name__,
             )
         return best
+
+
+def _not_moved(model: nn.Module) -> str:
+    first = next(model.parameters(), None)
+    where = first.device.type if first is not None else "host"
+    return (f"{type(model).__name__} trains on the {where}, not on the simulated GPU: the script did not move it "
+            "to CUDA (it may pick its device from an option or an environment variable); run it the way it "
+            "trains on a GPU, e.g. pass its device option as 'cuda' after --")
 
 
 def _step_frame(frame):
@@ -461,7 +531,7 @@ def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outco
             if device.notes:
                 report.meta["simulation_notes"] = dict(device.notes)
         report.meta.update(script=str(path), script_args=args, warmup_steps=observer.warmup, observed_steps=done)
-    needed = f"{observer.warmup} + {steps} optimizer steps"
+    needed = f"{observer.warmup} + {steps} training steps"
 
     if isinstance(outcome, _Stop) and outcome.error is not None:
         raise ScriptError(outcome.error, report)
@@ -497,14 +567,16 @@ def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outco
     if report is None:
         if isinstance(outcome, _Stop):
             raise ScriptError(
-                f"no training step finished within the timeout ({observer.optimizer_steps} optimizer steps seen, "
+                f"no training step finished within the timeout ({observer.optimizer_steps or observer.manual_steps} training steps seen, "
                 f"{needed} needed); give a longer timeout or make the script step sooner"
             )
-        if observer.optimizer_steps == 0 and tracker is None:
+        if observer.optimizer_steps == 0 and observer.manual_steps == 0 and tracker is None:
             raise ScriptError(
-                "the script ended without an optimizer step, so memprof found no model and optimizer to observe; "
-                "memprof observes training loops that call loss.backward() and optimizer.step() "
-                "on a torch.optim optimizer"
+                "the script ended without a training step, so memprof found no model to observe: no torch.optim "
+                "optimizer stepped, and no model was called again after a backward reached its parameters and "
+                "their gradients were reset (a loop that updates them itself); memprof observes training loops "
+                "that call loss.backward() and then optimizer.step(), or update the parameters and zero their "
+                "gradients before the next forward"
             )
         raise ScriptError(
             f"the script ended before a tracked step finished; memprof needs {needed}: "

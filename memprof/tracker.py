@@ -51,6 +51,7 @@ from .categories import ALLOCATED, Category
 from .frames import script_variables
 from .hooks import Shared, transformed
 from .ledger import Ledger
+from .manual_steps import GradientWatch
 from .report import MODULE_CATEGORIES, MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Phase, Report
 
 __all__ = ["Tracker", "track"]
@@ -267,6 +268,11 @@ class Tracker:
         # torch.utils.checkpoint's frame class and its own save_inputs, while it is wrapped.
         self._checkpoint_inputs: tuple[type, Any] | None = None
         self._step_handles: list = []  # removed at the end of each profiled step
+        # Until an optimizer of the model's steps: what sees a step without one (a training
+        # loop that updates the parameters itself), and its forward pre-hook. See _on_manual_pre.
+        self._manual: GradientWatch | None = None
+        self._manual_hook: Any = None
+        self._entered: tuple | None = None  # a root call whose forward pre-hook ran at a step's start
         self._node_hook: Any = None  # _on_node_grads, bound while a step is profiled
         self._saved_hooks: saved_tensors_hooks | None = None
         self._chained = False  # whether the saved-tensors hooks chain to ones active before (save_on_cpu)
@@ -347,6 +353,8 @@ class Tracker:
             for ref in self._given or ():
                 self._optimizers[ref()] = True
                 self._wrap_zero_grad(ref())
+            if self._given is None:
+                self._watch_manual(model)
             self._wrap_checkpoint_inputs()
             self._counters.reset_peak()  # later steps begin where the last one's counters were read and reset
             self._begin_step()
@@ -879,9 +887,11 @@ class Tracker:
         return alloc
 
     # -- hooks: forward --------------------------------------------------------
-    def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if transformed() or module not in self._names:  # see _on_pre; a copy of the root
-            return  # (copy.deepcopy: an EMA), which shares its hook
+    def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+        # A hook removed while PyTorch runs the hooks it gathered for a call (this tracker
+        # closed in an earlier one) is still called, without the kwargs it was registered for.
+        if not self._active or transformed() or module not in self._names:  # see _on_pre; a copy
+            return  # of the root (copy.deepcopy: an EMA), which shares its hook
         self._forwards += 1
         # Inputs passed by keyword (Hugging Face's model(**batch)): the process-wide
         # pre-hook that names the positional ones (_on_pre, which ran first) sees no kwargs.
@@ -907,6 +917,10 @@ class Tracker:
         # region is attributed as a whole, from the modules around it and the saved tensors.
         if self._done or transformed():
             return
+        if self._entered is not None:
+            entered, self._entered = self._entered, None
+            if args is entered:  # this call's hook already ran where its step began (_on_manual_pre)
+                return
         name = self._names.get(module) or self._adopt_compiled(module, args)
         if name is None:  # a module outside the tracked model: part of its caller
             if module not in self._outside:
@@ -1199,6 +1213,7 @@ class Tracker:
                 )
             self._optimizers[opt] = known
             if known:
+                self._unwatch_manual()
                 self._wrap_zero_grad(opt)
                 if self._primary is None:
                     self._primary = weakref.ref(opt)
@@ -1280,6 +1295,34 @@ class Tracker:
             self.step += 1
             self._begin_step()
 
+    # -- steps without an optimizer ---------------------------------------------
+    def _watch_manual(self, model: nn.Module) -> None:
+        """See steps that no optimizer ends (:mod:`memprof.manual_steps`): until an
+        optimizer of the model steps, a step also ends where the model's next forward
+        begins after a backward reached its parameters and their gradients were reset."""
+        watch = GradientWatch(model)
+        if watch.trainable:
+            self._manual = watch
+            self._manual_hook = nn.modules.module.register_module_forward_pre_hook(self._on_manual_pre)
+
+    def _unwatch_manual(self) -> None:
+        if self._manual is not None:
+            self._manual.remove()
+            self._manual_hook.remove()
+            self._manual = self._manual_hook = None
+
+    def _on_manual_pre(self, module: nn.Module, args: tuple) -> None:
+        if (self._manual is None or transformed() or not any(module is ref() for ref in self._roots)
+                or not self._manual.stepped()):
+            return  # a call PyTorch gathered the hook for before it was removed; another module; the same step
+        self._end_step()
+        self.step += 1
+        self._begin_step()
+        if self._profiled:
+            # The new step's forward hooks were installed after PyTorch gathered this call's.
+            self._on_pre(module, args)
+            self._entered = args
+
     # -- zero_grad -------------------------------------------------------------
     def _wrap_zero_grad(self, obj: nn.Module | torch.optim.Optimizer) -> None:
         """Name the phase of ``obj.zero_grad()``. PyTorch has no hook for it, so
@@ -1347,6 +1390,8 @@ class Tracker:
             handle.remove()
         self._step_handles.clear()
         self._handles.clear()
+        self._unwatch_manual()
+        self._entered = None
         self._node_hook = None
         self._ledger.clear()
         self._recorded_state.clear()

@@ -31,7 +31,7 @@ SCRIPTS = {
                "the script raised ValueError: no data: --data /x (at bad.py line 2); "
                "memprof could not observe a training step"),
     "no_optimizer": ("import torch\ntorch.nn.Linear(2, 2)(torch.ones(2))\n",
-                     "the script ended without an optimizer step"),
+                     "the script ended without a training step"),
 }
 
 

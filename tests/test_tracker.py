@@ -658,6 +658,57 @@ def test_gradient_accumulation_steps_end_at_optimizer():
     assert r.modules.loc["Sequential.0", "gradients"] == MiB
 
 
+@pytest.mark.parametrize("reset", ["zero_grad", "zero_grad(set_to_none=False)", "p.grad.zero_()"])
+def test_steps_without_an_optimizer(reset):
+    """A loop that updates the parameters itself (pytorch/examples' word language model): a
+    step ends where the model's next forward begins, after backward reached its parameters and
+    their gradients were reset; two micro-batches accumulated before an update are one step."""
+    model = mlp()
+    x = torch.randn(512, 512)
+    with memprof.track(model) as prof:
+        for _ in range(3):
+            if reset == "zero_grad":
+                model.zero_grad()
+            elif reset == "zero_grad(set_to_none=False)":
+                model.zero_grad(set_to_none=False)
+            else:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+            for _ in range(2):
+                model(x).square().mean().backward()
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+    r = prof.report()
+    assert r.steps["step"].tolist() == [0, 1, 2]
+    assert r.peak.bytes["parameters"] == 2 * MiB
+    assert r.optimizer_state == {} and r.peak.bytes["optimizer_state"] == 0
+    kept = 0 if reset == "zero_grad" else 2 * MiB  # gradients set to None, or zeroed and kept
+    for step, s in r.timeline.groupby("step"):
+        # both micro-batches in the step, which starts with the gradients reset at the end of the
+        # one before (the reset comes before the forward the step begins at)
+        assert (s["phase"] == "loss").sum() == 2
+        assert s[s["phase"] == "forward Sequential"]["gradients"].iloc[0] == (0 if step == 0 else kept)
+        assert s[s["phase"] == "after backward"]["gradients"].iloc[0] == 2 * MiB
+    assert _global_hooks() == (0, 0, 0, 0, None) and _model_hooks(model) == 0
+
+
+def test_an_optimizer_found_ends_the_steps_without_one():
+    """A forward and backward before the first optimizer step, its gradients reset (a check
+    that the loss goes down), is a step of its own; the optimizer ends each step from its first."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(512, 512)
+    with memprof.track(model, every=1) as prof:
+        model(x).sum().backward()
+        model.zero_grad()
+        train(model, opt, x, 3)
+    r = prof.report()
+    assert r.steps["step"].tolist() == [0, 1, 2, 3]  # the check, then 3 steps each ended by the optimizer
+    optimizer = r.timeline[r.timeline["phase"] == "optimizer step"]
+    assert optimizer.groupby("step").size().to_dict() == {1: 1, 2: 1, 3: 1}
+
+
 def test_closure_optimizer_phase_after_backward():
     """Forward and backward inside optimizer.step(closure) (Lightning, LBFGS):
     the optimizer phase starts when the closure returns, after backward."""
