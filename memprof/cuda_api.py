@@ -22,7 +22,7 @@ import torch
 
 from .devices import GPU
 
-__all__ = ["CudaRuntime", "TENSOR_API"]
+__all__ = ["CudaRuntime", "LEGACY_TYPES", "TENSOR_API", "legacy_type"]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class CudaRuntime:
             "initial_seed": lambda: 0,
             "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
             "set_rng_state": lambda state, device="cuda": None,
-            "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8)],
+            "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8, device="cpu")],
             "set_rng_state_all": lambda states: None,
             "device": _NoDevice,
             "device_of": _NoDevice,
@@ -387,16 +387,22 @@ LEGACY_TYPES: dict[str, type] = {
 _TYPE = torch.Tensor.type
 
 
+def legacy_type(t: Any) -> "_LegacyTypeMeta | None":
+    """The simulated GPU's legacy type ``t`` is or names (``"torch.cuda.FloatTensor"``), else None."""
+    if isinstance(t, str):
+        return LEGACY_TYPES.get(t[len("torch.cuda."):]) if t.startswith("torch.cuda.") else None
+    return t if isinstance(t, _LegacyTypeMeta) else None
+
+
 def _type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
     """``Tensor.type``: a simulated tensor's name is CUDA's, and a CUDA type (legacy
     class or its name) converts to the simulated GPU."""
     if dtype is None:
         name = _TYPE(self)
         return name.replace("torch.meta.", "torch.cuda.") if self.is_meta else name
-    if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
-        dtype = LEGACY_TYPES.get(dtype[len("torch.cuda."):], dtype)
-    if isinstance(dtype, _LegacyTypeMeta):
-        return self.to("cuda", dtype.dtype, non_blocking=non_blocking)
+    legacy = legacy_type(dtype)
+    if legacy is not None:
+        return self.to("cuda", legacy.dtype, non_blocking=non_blocking)
     return _TYPE(self, dtype, non_blocking, **kwargs)
 
 

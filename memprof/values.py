@@ -158,8 +158,9 @@ class Values(TorchDispatchMode):
             indices = out if isinstance(out, torch.Tensor) else out[1]
             if indices.dtype is torch.long and _whole(indices, self.limit):
                 self._keep(indices, _spread(func, args, kwargs, indices))
-                _note("topk, argmax", "of values not followed: indices spread evenly over their dimension (a "
-                      "router's experts get equal shares of the tokens)")
+                _note("topk, argmax", "the indices of topk, argmax, argmin, max(dim) or min(dim) of values not "
+                      "followed: spread evenly over their dimension (so a mixture of experts' router gives each "
+                      "expert an equal share of the tokens)")
             return out
         if not known and name in _OF_CONSTANTS and func._overloadname != "out":
             value = self._constants.get(weakref.ref(metas[0].untyped_storage()))
@@ -228,7 +229,7 @@ class Values(TorchDispatchMode):
         out = func(*args, **kwargs)
         self._shadows.pop(weakref.ref(out.untyped_storage()), None)  # in place: the target's is replaced
         if _whole(out, self.limit):
-            self._keep(out, torch.full(out.shape, value, dtype=out.dtype))
+            self._keep(out, torch.full(out.shape, value, dtype=out.dtype, device=_CPU))
         return out
 
     def _by_known_mask(self, func, name: str, args: tuple) -> Any:
@@ -264,7 +265,7 @@ class Values(TorchDispatchMode):
             if t.is_meta and t.numel():
                 self._constants[weakref.ref(t.untyped_storage(), self._forget_constant)] = value
             return False
-        self._keep(t, torch.full(t.shape, value, dtype=t.dtype))
+        self._keep(t, torch.full(t.shape, value, dtype=t.dtype, device=_CPU))
         return True
 
     def _forget_constant(self, key: weakref.ref) -> None:
@@ -381,12 +382,12 @@ def _spread(func, args: tuple, kwargs: dict, indices: torch.Tensor) -> torch.Ten
     given = {**defaults, **dict(zip((a.name for a in schema), args)), **kwargs}
     x, dim = given["self"], given.get("dim")
     if dim is None:  # argmax over all elements: one index
-        return torch.zeros(indices.shape, dtype=torch.long)
+        return torch.zeros(indices.shape, dtype=torch.long, device=_CPU)
     dim = dim % max(x.dim(), 1)
     n = x.shape[dim] if x.dim() else 1
     k = given.get("k", 1) if func._schema.name == "aten::topk" else 1
     rows = indices.numel() // max(k, 1)
-    spread = (torch.arange(rows)[:, None] * k + torch.arange(k)[None, :]) % max(n, 1)
+    spread = (torch.arange(rows, device=_CPU)[:, None] * k + torch.arange(k, device=_CPU)[None, :]) % max(n, 1)
     if func._schema.name == "aten::topk" or given.get("keepdim"):
         moved = list(indices.movedim(dim, -1).shape)
         return spread.reshape(moved).movedim(-1, dim)

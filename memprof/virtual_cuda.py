@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .autocast_policy import TORCHVISION_FP32, AutocastPolicy, cross_entropy_loss
-from .cuda_api import TENSOR_API, CudaRuntime
+from .cuda_api import LEGACY_TYPES, TENSOR_API, CudaRuntime, legacy_type
 from .devices import GPU, get_gpu
 from .sdpa import Environment
 from .values import Values, _note
@@ -459,6 +459,25 @@ class VirtualCUDA:
             # would leave a device mode on every later torch call of the process.
             stack.callback(lambda: changed and set_default(None if before.type == "cpu" else before))
             stack.enter_context(_replace(torch, "set_default_device", set_default_device))
+            set_type, new = torch.set_default_tensor_type, torch._C.TensorBase.__new__
+
+            def set_default_tensor_type(t) -> None:
+                # "torch.cuda.FloatTensor" (nerf-pytorch; deprecated since torch 2.1): C++ takes
+                # no simulated type. Its dtype and the simulated GPU become the defaults, and the
+                # legacy constructor torch.Tensor(data), which no default device reaches, makes
+                # its tensors there as torch.cuda.FloatTensor(data) does.
+                legacy = legacy_type(t)
+                if legacy is None:
+                    if "__new__" in vars(torch.Tensor):  # back to a CPU type
+                        del torch.Tensor.__new__
+                        set_default_device(None)
+                    return set_type(t)
+                torch.set_default_dtype(legacy.dtype)
+                set_default_device("cuda")
+                if "__new__" not in vars(torch.Tensor):
+                    stack.enter_context(_replace(torch.Tensor, "__new__", _legacy_new(new)))
+
+            stack.enter_context(_replace(torch, "set_default_tensor_type", set_default_tensor_type))
             stack.enter_context(
                 _replace(torch, "get_default_device", lambda: _CUDA0 if get_default().type == "meta" else get_default())
             )
@@ -757,6 +776,19 @@ def _module_compile(vc: VirtualCUDA) -> Callable:
 def _clear_current() -> None:
     global _current
     _current = None
+
+
+def _legacy_new(new):
+    """``torch.Tensor.__new__`` where the default tensor type is the simulated GPU's."""
+
+    by_dtype = {t.dtype: t for t in LEGACY_TYPES.values()}
+
+    def legacy_new(cls, *args, **kwargs):
+        if cls is not torch.Tensor or kwargs:
+            return new(cls, *args, **kwargs)
+        return by_dtype[torch.get_default_dtype()](*args)
+
+    return legacy_new
 
 
 class _replace_item:

@@ -296,6 +296,22 @@ def test_a_compiled_model_and_optimizer_step(tmp_path, caplog, clean):
 
 
 HABITS = {
+    # nerf-pytorch: CUDA's default tensor type (deprecated since torch 2.1), torch.Tensor(data) made
+    # there, cumprod (whose backward takes max(dim) of values not followed), and one Adam over the
+    # coarse and the fine network, called apart: both are the model.
+    "default_tensor_type": ("""
+        import torch
+        from torch import nn
+        torch.set_default_tensor_type('torch.cuda.FloatTensor')
+        coarse, fine = nn.Linear(64, 4), nn.Linear(64, 4)
+        opt = torch.optim.Adam(list(coarse.parameters()) + list(fine.parameters()))
+        for i in range(10):
+            x = torch.randn(4096, 64)
+            far = torch.Tensor([1e10]).expand(4096, 1)
+            weights = torch.cat([torch.cumprod(torch.sigmoid(coarse(x)), -1), far], -1)
+            loss = weights.mean() + fine(x).square().mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+    """, [64 * 4, 4, 64 * 4, 4]),
     # nn.Embedding(sparse=True) with SparseAdam beside Adam: sparse gradients have no storage of their own.
     "sparse_embedding": ("""
         import torch
@@ -440,12 +456,12 @@ ERRORS = {
     "raises": ("import torch\nraise ValueError('no data at /data')\n",
                ["ValueError: no data at /data", "line 2", "could not observe a training step"]),
     "no_optimizer": ("import torch\nprint(torch.nn.Linear(2, 2)(torch.ones(2)))\n",
-                     ["without an optimizer step", "optimizer.step()"]),
+                     ["without a training step", "optimizer.step()", "zero their gradients"]),
     "bad_arguments": ("import argparse\nargparse.ArgumentParser().parse_args()\n",
                       ["exited with status 2", "after --"]),
     "one_step_only": ("import torch\nm = torch.nn.Linear(2, 2)\no = torch.optim.SGD(m.parameters(), 0.1)\n"
                       "m(torch.ones(2)).sum().backward()\no.step()\n",
-                      ["ended before a tracked step finished", "1 + 3 optimizer steps"]),
+                      ["ended before a tracked step finished", "1 + 3 training steps"]),
     "no_module": ("import torch\nw = torch.nn.Parameter(torch.ones(2))\no = torch.optim.SGD([w], 0.1)\n"
                   "while True:\n    (w * 2).sum().backward()\n    o.step()\n",
                   ["SGD.step() ran, but no module", "model(x)"]),
@@ -566,3 +582,56 @@ def test_expandable_segments_are_noted(tmp_path, clean):
     report = observe_script(write(tmp_path, source), steps=2, target="h200")
     assert report.meta["simulation_notes"]["expandable segments"].startswith("not modelled")
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # the script's setting is not the next run's
+
+
+# pytorch/examples' word language model and the "what is torch.nn really" tutorial train
+# without a torch.optim optimizer: the update is the script's own.
+MANUAL = {
+    "data.add_": """
+        import torch
+        from torch import nn
+        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False)).cuda()
+        criterion = nn.MSELoss()
+        x, y = torch.randn(64, 512).cuda(), torch.randn(64, 512).cuda()
+        for i in range(20):
+            model.zero_grad()
+            loss = criterion(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+            for p in model.parameters():
+                p.data.add_(p.grad, alpha=-0.1)
+            print(f"step {i}")
+    """,
+    "no_grad": """
+        import torch
+        from torch import nn
+        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False)).cuda()
+        x, y = torch.randn(64, 512).cuda(), torch.randn(64, 512).cuda()
+        for i in range(20):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= p.grad * 0.1
+                model.zero_grad()
+            print(f"step {i}")
+    """,
+}
+
+
+@pytest.mark.parametrize("update", list(MANUAL))
+def test_a_loop_without_an_optimizer(tmp_path, update, capsys, caplog, clean):
+    """Its steps are seen where the model's next forward begins after a backward and the
+    gradients' reset: two found the model, three are tracked, and the script stops in the
+    forward of the sixth."""
+    with caplog.at_level(logging.INFO, logger="memprof"):
+        report = observe_script(write(tmp_path, MANUAL[update]), steps=3, target="h200")
+    assert printed_steps(capsys.readouterr().out) == [0, 1, 2, 3, 4]
+    assert "tracking Sequential without an optimizer" in caplog.text
+    assert report.steps["step"].tolist() == [0, 1, 2]
+    peak = report.peak.bytes
+    assert peak["parameters"] == 2 * MiB and peak["optimizer_state"] == 0
+    assert report.optimizer_state == {}
+    # the peak is in backward, where the second weight's gradient is made: 1 MiB
+    assert report.modules.loc["Sequential.2", "gradients"] == MiB
+    assert report.modules.loc["Sequential.0", "activations_saved_over_step"] == 64 * 512 * 4
