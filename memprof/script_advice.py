@@ -96,7 +96,7 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
     # inside it pass straight through.
     depth = [0]
     for module in _entries(model):
-        w.patch(module, "forward", _outermost(module.forward, planned(module.forward), depth))
+        w.patch(module, "forward", _outermost(module, planned(module.forward), depth))
     return w
 
 
@@ -106,11 +106,16 @@ def _entries(model: nn.Module) -> list[nn.Module]:
     return [model, *(c for c in model.children() if type(c).forward is not nn.Module.forward)]
 
 
-def _outermost(plain, planned, depth: list[int]):
-    """``planned`` where no other of the functions sharing ``depth`` is running, else ``plain``."""
+def _outermost(module: nn.Module, planned, depth: list[int]):
+    """``module.forward`` as ``planned`` where no other of the functions sharing ``depth`` is running."""
+    plain = module.forward
 
     @functools.wraps(plain)
     def forward(*args, **kwargs):
+        if module.forward is not forward:
+            # A call PyTorch began before this plan was undone: it took the forward then, and the
+            # plan changed in its hooks (where a step without an optimizer ends): the plan now.
+            return module.forward(*args, **kwargs)
         if depth[0]:
             return plain(*args, **kwargs)
         depth[0] += 1
@@ -176,6 +181,8 @@ class _MicroBatchCut(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not torch.is_grad_enabled():  # evaluation between steps (no_grad, inference_mode): not the step's
+            return func(*args, **kwargs)
         if not self._in_model and getattr(func, "__name__", "") in _SAMPLEWISE:
             args, kwargs = self._match(args, kwargs)
         out = func(*args, **kwargs)
@@ -207,6 +214,8 @@ class _MicroBatchCut(TorchFunctionMode):
 
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
+            if not torch.is_grad_enabled():  # evaluation between steps: as the script runs it
+                return fn(*args, **kwargs)
             args, kwargs = tree_map(lambda t: cut(t, device_only=False), (args, kwargs))
             self._in_model += 1
             try:
@@ -261,18 +270,22 @@ class ScriptFacts:
     also_trains: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer, **facts: Any) -> "ScriptFacts":
+    def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, **facts: Any) -> "ScriptFacts":
         """The facts ``model`` and ``optimizer`` show by themselves (the optimizer's
-        implementation, the parameters by dtype and those frozen), and ``facts``."""
-        d = optimizer.defaults
+        implementation, the parameters by dtype and those frozen), and ``facts``.
+        No optimizer: the script updates the parameters itself (memprof.manual_steps)."""
+        d = optimizer.defaults if optimizer is not None else {}
         impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else (
             "for-loop" if d.get("foreach") is False else "default: foreach on CUDA")
+        if optimizer is None:
+            impl = "the script updates the parameters itself"
         counts: dict[str, int] = {}
         frozen = 0
         for p in model.parameters():
             counts[_dtype(p.dtype)] = counts.get(_dtype(p.dtype), 0) + p.numel()
             frozen += 0 if p.requires_grad else p.numel()
-        return cls(optimizer=type(optimizer).__name__, implementation=impl, parameters=counts, frozen=frozen, **facts)
+        return cls(optimizer=type(optimizer).__name__ if optimizer is not None else "none", implementation=impl,
+                   parameters=counts, frozen=frozen, **facts)
 
     @property
     def batch_size(self) -> int | None:
@@ -350,12 +363,14 @@ class _Watch:
         for m in _entries(model):
             self._handles += [m.register_forward_pre_hook(Shared(self._on_entry), with_kwargs=True),
                               m.register_forward_hook(Shared(self._on_entry_end), always_call=True)]
-        self._optimizers = weakref.WeakSet([opt])
+        self._optimizers = weakref.WeakSet([opt] if opt is not None else [])
         self._model = weakref.ref(model)
         self._handles += [m.register_forward_pre_hook(Shared(functools.partial(self._on_module, name)))
                           for name, m in model.named_modules() if name]
 
-    def _on_entry(self, module, args, kwargs) -> None:
+    def _on_entry(self, module, args, kwargs=None) -> None:
+        if not self._handles:  # closed in an earlier hook of this call, which PyTorch still calls, without kwargs
+            return
         # Not re-run in backward (the whole model checkpointed), nor evaluation between steps.
         counts = (not self._open and torch._C._current_graph_task_id() == -1 and torch.is_grad_enabled()
                   and (self._entry is None or self._entry() is module))
@@ -369,7 +384,7 @@ class _Watch:
             self.facts.batch = tensor_shapes(_arguments(module, args, kwargs))
 
     def _on_entry_end(self, module, args, output) -> None:
-        if self._open:
+        if self._handles and self._open:
             self._open.pop()
 
     def _on_module(self, name: str, module, args) -> None:
@@ -408,6 +423,7 @@ class _Watch:
     def close(self) -> ScriptFacts:
         for h in self._handles:
             h.remove()
+        self._handles.clear()
         self.facts.micro_batches = max(self.forwards // max(self.steps, 1), 1)
         self.facts.checkpointed = self._checkpointed()
         return self.facts
@@ -429,7 +445,7 @@ class _Watch:
 
 def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, who: str) -> dict[str, str]:
     """The plans that would repeat what the training (``who``: "script", "fit") does already, and why."""
-    from memprof.strategies import Autocast, Checkpointing, find_blocks
+    from memprof.strategies import Autocast, Checkpointing, ZeRO, find_blocks
 
     blocks = [n for n, _ in find_blocks(model)]
     covered = bool(blocks) and all(any(b == c or b.startswith(c + ".") for c in facts.checkpointed) for b in blocks)
@@ -441,6 +457,8 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
             out[name] = f"the {who}'s forward already computes with {facts.forward_dtype} parameters"
         elif covered and any(isinstance(s, Checkpointing) for s in strategies):
             out[name] = f"the {who} already checkpoints the repeated blocks"
+        elif facts.optimizer == "none" and any(isinstance(s, ZeRO) for s in strategies):
+            out[name] = f"the {who} updates the parameters itself: no optimizer's state to shard or offload"
     return out
 
 
@@ -567,7 +585,9 @@ class _Schedule:
         derived = None
         if allocator is not None:
             events, allocator.events = allocator.events, []
-            if self._done == 1 and self.steps > 1 and key and key not in self.sampled:
+            # Without an optimizer a step ends where the next forward begins, whose call PyTorch
+            # made before the next plan was applied: the plan's first step is not its own to derive from.
+            if self._done == 1 and self.steps > 1 and key and key not in self.sampled and self.opt is not None:
                 derived = replay_step(allocator.model, events)
             since = self._busy_at[1] if self._busy_at[0] is allocator else 0.0  # a new run: a new device
             self._busy_at = (allocator, allocator.busy)
@@ -650,9 +670,10 @@ class _Schedule:
             self._current, self._done = name, 0
             if hasattr(self.advance, "now"):
                 self.advance.now(name)
-            # What the last plan cached is not this plan's (a fresh run would not have it); the
-            # first plan of a run finds the cache as the script left it, as a run of its own does.
-            if not self._fresh:
+            # What the last plan cached is not this plan's, nor is what the steps before it left
+            # (the script as it is, a run with the plan from the start would not have it; the
+            # plan's measurement empties it too: _measure_plan). The step as it is keeps it.
+            if not self._fresh or self.keys[name]:
                 torch.cuda.empty_cache()
             self._fresh = False
             allocator = self._allocator()

@@ -426,6 +426,16 @@ def test_accumulation_cuts_a_batch_made_before_the_plan_began(tmp_path):
         assert {"accum2", "accum4", "accum8"} <= {p["plan"] for p in d["plans"]}
 
 
+def test_accumulation_leaves_evaluation_whole(tmp_path):
+    # pytorch/examples' VAE evaluates under no_grad and reshapes with the batch size it was
+    # given (recon_batch.view(args.batch_size, ...)): evaluation is not the step memprof cuts.
+    data = _advise_with_targets(
+        tmp_path, "y = torch.randint(0, 4, (32,), device='cuda')", "with torch.no_grad():",
+        "    xe = torch.randn(32, 64).cuda(); model(xe).view(32, 2, 2)")
+    assert all("ckpt" in name for name in data["failed"]), data["failed"]
+    assert {"accum2", "accum4", "accum8"} <= {p["plan"] for p in data["plans"]}
+
+
 def test_accumulation_that_cannot_follow_says_so(tmp_path):
     # The loss compares flattened tensors: the cut output's 16 x 4 values against
     # 32 x 4 one-hot targets, none of them a batch's or a micro-batch's size.
@@ -669,3 +679,64 @@ def test_a_script_too_short_is_reported_not_a_crash(tmp_path, iterations):
     assert r.returncode == 0, r.stderr[-3000:]
     advice = json.loads(out.read_text())
     assert advice["best"] is not None and {"accum2", "bf16", "offload_act"} <= {p["plan"] for p in advice["plans"]}
+
+
+MANUAL_UPDATE = """\
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+model = nn.Sequential(*[Block(512) for _ in range(4)]).cuda()
+x, y = torch.randn(4096, 512, device="cuda"), torch.randn(4096, 512, device="cuda")
+for i in range(100):
+    model.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-0.01)
+"""
+
+
+def test_a_script_without_an_optimizer_gets_the_plans_that_need_none(tmp_path):
+    """pytorch/examples' word language model updates the parameters itself: mixed precision,
+    checkpointing and accumulation apply; sharding and offloading an optimizer's state do not."""
+    data, _ = advise_source(tmp_path, MANUAL_UPDATE)
+    assert data["script_does"]["optimizer"] == "none"
+    assert data["failed"] == {}
+    sharding = {name for name, why in data["skipped"].items() if "no optimizer's state" in why}
+    assert sharding == {"offload_states", "bf16+offload_states"}  # the default plans that shard, on one rank
+    plans = {p["plan"]: p for p in data["plans"]}
+    assert {"baseline", "bf16", "ckpt", "accum2"} <= set(plans)
+    for plan in ("bf16", "ckpt", "accum2"):
+        assert plans[plan]["peak_allocated"] < plans["baseline"]["peak_allocated"]
+
+
+def test_a_plan_first_in_a_run_of_the_script_starts_from_an_empty_cache(tmp_path):
+    """The script ends after the step as it is, so bf16 runs first in a second run of it: the
+    blocks the fp32 step before it cached are not its own (a run with bf16 from the start, or
+    its measurement, would not have them). It predicts as when it follows the step as it is."""
+    from memprof.script_advice import advise_script
+    from memprof.strategies import Autocast
+
+    script = tmp_path / "t.py"
+    script.write_text("\n".join([
+        "import sys, torch",
+        "model = torch.nn.Sequential(torch.nn.Linear(1024, 8192), torch.nn.ReLU(), torch.nn.Linear(8192, 1024)).cuda()",
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
+        "for step in range(int(sys.argv[1])):",
+        "    model(torch.randn(4096, 1024, device='cuda')).square().mean().backward()",
+        "    opt.step(); opt.zero_grad()",
+    ]) + "\n")
+    peaks = {}
+    for iterations in ("4", "40"):  # 4: 1 to find the model, 2 as it is, and the script ends
+        a = advise_script(str(script), [iterations], budget="24GiB", target="h200", progress=False,
+                          plans={"bf16": lambda: [Autocast("bf16")]})
+        peaks[iterations] = a.table.loc["bf16", ["peak_allocated", "peak_reserved"]].tolist()
+    assert peaks["4"] == peaks["40"]
