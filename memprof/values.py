@@ -522,9 +522,31 @@ def _made_up_scalar(t: torch.Tensor) -> Any:
 
 def _coalesce(self):
     """A sparse COO tensor's ``coalesce()``: no entry taken for a duplicate (an upper bound)."""
+    return _clone(self, coalesced=True)
+
+
+def _clone(self, *args, coalesced: bool | None = None, **kwargs):
+    """A sparse COO tensor's copy, with as many entries (PyTorch's meta kernel makes one without any:
+    autograd's copy of an embedding's sparse gradient was empty, and SparseAdam skipped it)."""
     indices, values = self._indices(), self._values()
     return torch.sparse_coo_tensor(indices.new_empty(indices.shape), values.new_empty(values.shape), self.shape,
-                                   is_coalesced=True)
+                                   is_coalesced=self.is_coalesced() if coalesced is None else coalesced,
+                                   check_invariants=False)
+
+
+def _sparse_mask(self, mask):
+    """``dense.sparse_mask(sparse)``: ``self``'s values at ``mask``'s entries (SparseAdam's moments at the gradient's)."""
+    indices = mask._indices()
+    values = self.new_empty((indices.shape[1], *self.shape[indices.shape[0]:]))
+    return torch.sparse_coo_tensor(indices.new_empty(indices.shape), values, self.shape, is_coalesced=mask.is_coalesced(),
+                                   check_invariants=False)
+
+
+def _add_(self, other, *args, **kwargs):
+    """``dense.add_(sparse)`` (SparseAdam's update, the parameter's ``add_``): in place."""
+    if self.layout is not torch.strided:
+        raise NotImplementedError("the simulated GPU adds a sparse tensor to a dense one only, in place")
+    return self
 
 
 def _sparse_product(self, *args, **kwargs):
@@ -538,7 +560,8 @@ def _sparse_product(self, *args, **kwargs):
 #: Operators on sparse COO tensors that PyTorch's meta kernels lack ("Could not run 'aten::_coalesce'
 #: with arguments from the 'SparseMeta' backend"): a graph's adjacency built by the script.
 _SPARSE = {"aten::_coalesce": _coalesce, "aten::mm": _sparse_product, "aten::addmm": _sparse_product,
-           "aten::_sparse_addmm": _sparse_product, "aten::_sparse_mm": _sparse_product}
+           "aten::_sparse_addmm": _sparse_product, "aten::_sparse_mm": _sparse_product, "aten::clone": _clone,
+           "aten::sparse_mask": _sparse_mask, "aten::add_": _add_}
 
 
 #: Operators that hand values to the host, called from C++ (``istft``'s checks of its window):

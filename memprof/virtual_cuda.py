@@ -156,6 +156,13 @@ class _Mode(TorchFunctionMode):
                 "LSTM, GRU and RNN layers are simulated with PyTorch's own kernels, not cuDNN's, whose reserve "
                 "buffer for backward PyTorch's meta kernel does not size (it says 0 bytes): their activations can "
                 "differ on a GPU; measure there for them")
+        if name == "einsum" and len(_operands(args)) > 2 and not torch.backends.opt_einsum.is_available():
+            # torch.functional.einsum: without opt_einsum, left to right; with it, the order it finds cheapest.
+            self.vc._note(
+                "einsum order",
+                "einsum of three or more tensors contracts them left to right here, where the opt_einsum package "
+                "is missing; where it is installed it picks another order, and with it what backward keeps: "
+                "simulate in the environment the script trains in, or pip install opt-einsum")
         if name in _FINITE_CHECKS and args and _on_meta(args[0]) and self.vc.values.shadow(args[0]) is None:
             out = func(*args, **kwargs)
             self.vc.values.assume(out, _FINITE_CHECKS[name])
@@ -190,6 +197,12 @@ class _Mode(TorchFunctionMode):
             with self:
                 return _unchecked(func)(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _operands(args: tuple) -> tuple:
+    """einsum's operands: ``einsum(eq, a, b, c)`` or ``einsum(eq, [a, b, c])``."""
+    rest = args[1:]
+    return tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
 
 
 def _dropout(input: torch.Tensor, p: float = 0.5, train: bool = True) -> torch.Tensor:
@@ -347,7 +360,18 @@ _ON_META: dict[str, Callable] = {
     "numpy": lambda vc, t, **kw: _host_copy(vc, t).numpy(),
     "cpu": lambda vc, t, **kw: _host_copy(vc, t),
     "get_device": lambda vc, t: 0,
+    "new": lambda vc, t, *args, **kwargs: _new(t, *args, **kwargs),
 }
+
+
+def _new(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``t.new(...)``: of a sparse tensor (SparseAdam's ``grad.new(indices, values, size)``), one of
+    the simulated GPU's, which the legacy constructor does not know ("Unrecognized tensor type ID")."""
+    if t.layout is not torch.sparse_coo:
+        return torch.Tensor.new(t, *args, **kwargs)
+    if not args:
+        return torch.sparse_coo_tensor(t._indices()[:, :0], t._values()[:0], t.shape, check_invariants=False)
+    return torch.sparse_coo_tensor(*args, check_invariants=False)
 
 _PYTHON_FUNCTIONALS = frozenset({"torch.nn.functional", "torch.functional"})
 _unchecked_cache: dict[Callable, Callable] = {}

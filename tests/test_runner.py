@@ -7,6 +7,7 @@ import textwrap
 import uuid
 
 import pytest
+import torch
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 
@@ -439,6 +440,21 @@ HABITS = {
 }
 
 
+def test_a_sparse_gradient_and_sparse_adam_on_the_simulated_gpu(tmp_path, clean):
+    """Autograd keeps a copy of an embedding's sparse gradient, which PyTorch's meta kernel made
+    without entries (and SparseAdam then skipped the table): 64 x 8 lookups of 256 fp32 values."""
+    report = observe_script(write(tmp_path, """
+        import torch
+        emb = torch.nn.Embedding(1024, 256, sparse=True).cuda()
+        opt = torch.optim.SparseAdam(list(emb.parameters()))
+        for i in range(10):
+            emb(torch.randint(0, 1024, (64, 8), device="cuda")).square().mean().backward()
+            opt.step(); opt.zero_grad()
+    """), steps=3, target="h200")
+    assert report.timeline["gradients"].max() == 64 * 8 * 256 * 4
+    assert report.optimizer_state == {"exp_avg": MiB, "exp_avg_sq": MiB}  # 1024 x 256 fp32 each
+
+
 @pytest.mark.parametrize("habit", list(HABITS))
 def test_habits_that_stopped_the_simulated_gpu(tmp_path, habit, clean):
     """Each stopped the simulation before: "Cannot access storage of SparseTensorImpl",
@@ -635,3 +651,19 @@ def test_a_loop_without_an_optimizer(tmp_path, update, capsys, caplog, clean):
     # the peak is in backward, where the second weight's gradient is made: 1 MiB
     assert report.modules.loc["Sequential.2", "gradients"] == MiB
     assert report.modules.loc["Sequential.0", "activations_saved_over_step"] == 64 * 512 * 4
+
+
+def test_an_einsum_of_three_tensors_says_its_order_depends_on_opt_einsum(tmp_path, clean):
+    """mamba-minimal's einsum('bld,bln,bld->bldn', delta, B, u): without opt_einsum PyTorch contracts
+    left to right and keeps a (b, l, d, n) product for backward; with it, a (b, l, d) one."""
+    report = observe_script(write(tmp_path, """
+        import torch
+        lin = torch.nn.Linear(64, 64).cuda()
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        for i in range(6):
+            d, u = lin(torch.randn(8, 16, 64, device="cuda")), torch.randn(8, 16, 64, device="cuda")
+            torch.einsum("bld,bln,bld->bldn", d, torch.randn(8, 16, 4, device="cuda"), u).sum().backward()
+            opt.step(); opt.zero_grad()
+    """), steps=2, target="h200")
+    noted = "einsum order" in report.meta.get("simulation_notes", {})
+    assert noted == (not torch.backends.opt_einsum.is_available())
