@@ -12,7 +12,8 @@ a WGAN-GP in PyTorch-GAN's style, pytorch/examples' DCGAN, nn.DataParallel with 
 seven short ones in other habits: torch.cuda's conveniences with streams, events and a channels-last
 fp16 net, a model.half() decoder with einsum attention, torch.compile on the model and the optimizer step,
 T5 with Adafactor, torch.cuda.amp with reentrant checkpointing, a GroupNorm UNet with RAdam,
-nn.TransformerEncoder with padding masks); none of them knows memprof. Each runs unmodified from its
+nn.TransformerEncoder with padding masks; and more since, each named by its first line); none of them
+knows memprof. Each runs unmodified from its
 own directory, as its users run it. ``measure`` and ``simulate`` write one
 report per entry (``NAME.json``) and a log (``NAME.log``); ``compare`` writes
 ``corpus.md`` and ``corpus.json``: the last tracked step's peak allocated and
@@ -82,6 +83,16 @@ CORPUS: dict[str, tuple[str, str, list[str], bool]] = {
     "dcgan-specnorm": (".", "dcgan_specnorm.py", [], False),
     "moe-router": (".", "moe_router.py", [], False),
     "leak-checkpoint-sequential": (".", "leak_checkpoint_sequential.py", [], False),
+    "dqn-tutorial": (".", "dqn_tutorial.py", [], False),
+    "vae-examples": (".", "vae_examples.py", [], False),
+    "sparse-recsys": (".", "sparse_recsys.py", [], False),
+    "mamba-scan": (".", "mamba_scan.py", [], False),
+    "ctc-speech": (".", "ctc_speech.py", [], False),
+    "distill-vit": (".", "distill_vit.py", [], False),
+    "mae-pretrain": (".", "mae_pretrain.py", [], False),
+    "nerf-pytorch": (".", "nerf_pytorch.py", [], False),
+    "word-lm-transformer": (".", "word_language_model.py", [], False),
+    "word-lm-lstm": (".", "word_language_model.py", ["--model", "LSTM", "--nhid", "1024", "--nlayers", "2"], False),
 }
 
 

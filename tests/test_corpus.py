@@ -86,7 +86,9 @@ def test_track_simulates_the_script(name, tmp_path):
     assert report["source"] == "simulate" and report["meta"]["target"] == "H200-141GB"
     assert len(report["steps"]) == 2  # both optimizer steps ran (a GradScaler that found "inf" would skip them)
     peak = report["peak"]["bytes"]
-    assert peak["parameters"] > 0 and peak["optimizer_state"] > 0  # Adam's moments or SGD's momentum
+    assert peak["parameters"] > 0
+    # Adam's moments or SGD's momentum; the word language model updates the parameters itself
+    assert (peak["optimizer_state"] > 0) == (not name.startswith("word-lm"))
     assert "Traceback" not in stderr
 
 
