@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import pandas as pd
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
@@ -79,13 +79,15 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
                              "of equal size")
         stack.enter_context(cut)
 
+    region = _AutocastRegion(w, stack) if w.autocast_dtype is not None else None
+
     def planned(forward):
         if cut is not None:
             forward = cut.wrap(forward)
         if w.saved_tensors_hooks is not None:
             forward = _under(w.saved_tensors_hooks, forward)
-        if w.autocast_dtype is not None:
-            forward = torch.autocast("cuda", dtype=w.autocast_dtype)(forward)
+        if region is not None:
+            forward = region.wrap(forward)
         return forward
 
     if planned(model.forward) is model.forward:
@@ -98,6 +100,50 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
     for module in _entries(model):
         w.patch(module, "forward", _outermost(module, planned(module.forward), depth))
     return w
+
+
+class _AutocastRegion:
+    """Autocast from the model's forward until backward, as autocast's code change asks ("wrap the
+    forward pass and the loss"): a loss computed outside the model (criterion(model(x), y)) and what
+    comes between them (CTC's log_softmax) run under it too, in fp32 where autocast says so (the
+    logits' fp32 copy; CTC's loss takes no bf16 at all). It closes where backward begins (the
+    gradients of PyTorch's AMP recipes are computed outside autocast), before an optimizer step,
+    and when the plan ends."""
+
+    def __init__(self, w: Workload, stack: ExitStack) -> None:
+        self.dtype = w.autocast_dtype
+        self._open: torch.autocast | None = None
+        for owner, name in ((torch.Tensor, "backward"), (torch.autograd, "backward"), (torch.autograd, "grad")):
+            w.patch(owner, name, self._closing(getattr(owner, name)))
+        stack.callback(register_optimizer_step_pre_hook(lambda *args: self.close()).remove)
+        stack.callback(self.close)
+
+    def wrap(self, forward):
+        @functools.wraps(forward)
+        def under_autocast(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                # Evaluation between steps, as the script runs it (under autocast, its casts of the
+                # weights, made without gradients, would be cached for the step's forward).
+                return forward(*args, **kwargs)
+            if self._open is None and not torch.is_autocast_enabled("cuda"):
+                self._open = torch.autocast("cuda", dtype=self.dtype)
+                self._open.__enter__()
+            return forward(*args, **kwargs)
+
+        return under_autocast
+
+    def _closing(self, fn):
+        @functools.wraps(fn)
+        def closing(*args, **kwargs):
+            self.close()
+            return fn(*args, **kwargs)
+
+        return closing
+
+    def close(self) -> None:
+        if self._open is not None:
+            region, self._open = self._open, None
+            region.__exit__(None, None, None)
 
 
 def _entries(model: nn.Module) -> list[nn.Module]:
@@ -198,13 +244,19 @@ class _MicroBatchCut(TorchFunctionMode):
         return out
 
     def _match(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``args`` and ``kwargs`` with whole batches cut where they meet a micro-batch (not parameters)."""
-        firsts = [a.shape[0] for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 0]
-        if not (self._parts.intersection(firsts) and self.sizes.intersection(firsts)):
+        """``args`` and ``kwargs`` with whole batches cut where they meet a micro-batch (not
+        parameters): tensors, on the device or not, and per-sample lengths as a list (CTC's
+        ``input_lengths``, ``target_lengths``)."""
+        values = (*args, *kwargs.values())
+        firsts = [a.shape[0] for a in values if isinstance(a, torch.Tensor) and a.dim() > 0]
+        wholes = firsts + [len(a) for a in values if _lengths(a)]
+        if not (self._parts.intersection(firsts) and self.sizes.intersection(wholes)):
             return args, kwargs
 
         def cut(a):
-            return self._cut(a) if not isinstance(a, nn.Parameter) else a
+            if _lengths(a) and len(a) in self.sizes:
+                return type(a)(a[: len(a) // self.k])
+            return self._cut(a, device_only=False) if not isinstance(a, nn.Parameter) else a
 
         return tuple(cut(a) for a in args), {k: cut(a) for k, a in kwargs.items()}
 
@@ -224,6 +276,11 @@ class _MicroBatchCut(TorchFunctionMode):
                 self._in_model -= 1
 
         return wrapped
+
+
+def _lengths(a: Any) -> bool:
+    """Whether ``a`` is a list or tuple of integers (a batch's per-sample lengths)."""
+    return isinstance(a, (list, tuple)) and bool(a) and all(isinstance(x, int) for x in a)
 
 
 def _divisible(k: int):
@@ -275,8 +332,9 @@ class ScriptFacts:
         implementation, the parameters by dtype and those frozen), and ``facts``.
         No optimizer: the script updates the parameters itself (memprof.manual_steps)."""
         d = optimizer.defaults if optimizer is not None else {}
+        # An optimizer without a foreach option (SparseAdam, LBFGS, Hugging Face's Adafactor) loops.
         impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else (
-            "for-loop" if d.get("foreach") is False else "default: foreach on CUDA")
+            "for-loop" if d.get("foreach") is False or "foreach" not in d else "default: foreach on CUDA")
         if optimizer is None:
             impl = "the script updates the parameters itself"
         counts: dict[str, int] = {}

@@ -154,8 +154,9 @@ class _Mode(TorchFunctionMode):
             self.vc._note(
                 "recurrent layers",
                 "LSTM, GRU and RNN layers are simulated with PyTorch's own kernels, not cuDNN's, whose reserve "
-                "buffer for backward PyTorch's meta kernel does not size (it says 0 bytes): their activations can "
-                "differ on a GPU; measure there for them")
+                "buffer and backward workspace PyTorch's meta kernel does not size (it says 0 bytes): their "
+                "activations, their backward's peak and what the allocator reserves around them can differ on a "
+                "GPU; measure there for them")
         if name == "einsum" and len(_operands(args)) > 2 and not torch.backends.opt_einsum.is_available():
             # torch.functional.einsum: without opt_einsum, left to right; with it, the order it finds cheapest.
             self.vc._note(

@@ -740,3 +740,59 @@ def test_a_plan_first_in_a_run_of_the_script_starts_from_an_empty_cache(tmp_path
                           plans={"bf16": lambda: [Autocast("bf16")]})
         peaks[iterations] = a.table.loc["bf16", ["peak_allocated", "peak_reserved"]].tolist()
     assert peaks["4"] == peaks["40"]
+
+
+# AssemblyAI's speech-recognition tutorial: log_softmax and nn.CTCLoss outside the model, with
+# per-utterance lengths as Python lists.
+CTC = """\
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(3)])
+        self.classifier = nn.Linear(128, 29)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.classifier(x)
+
+model = Model().cuda()
+criterion = nn.CTCLoss(blank=28, zero_infinity=True)
+optimizer = torch.optim.AdamW(model.parameters(), 5e-4)
+for step in range(40):
+    spectrograms = torch.randn(32, 200, 128).cuda()
+    labels = torch.randint(0, 28, (32, 40)).float().cuda()
+    input_lengths = [200 - (i % 7) for i in range(32)]
+    label_lengths = [40 - (i % 5) for i in range(32)]
+    optimizer.zero_grad()
+    output = F.log_softmax(model(spectrograms), dim=2).transpose(0, 1)  # (time, batch, n_class)
+    loss = criterion(output, labels, input_lengths, label_lengths)
+    loss.backward()
+    optimizer.step()
+"""
+
+
+def test_ctc_outside_the_model_gets_every_plan(tmp_path):
+    """Accumulation cuts the lengths lists with the batch (a list of 32 lengths against 16
+    utterances failed); bf16 runs the loss and the log_softmax before it under autocast, as its
+    code change asks (CTC's loss takes no bf16: every bf16 plan failed)."""
+    data, _ = advise_source(tmp_path, CTC)
+    assert data["failed"] == {}
+    plans = {p["plan"]: p for p in data["plans"]}
+    assert len(plans) == 20
+    assert plans["bf16"]["peak_allocated"] < plans["baseline"]["peak_allocated"]
+    assert plans["accum2"]["peak_allocated"] < plans["baseline"]["peak_allocated"]
+
+
+def test_an_optimizer_without_a_foreach_option_loops():
+    from memprof.script_advice import ScriptFacts
+
+    emb = nn.Embedding(16, 4, sparse=True)
+    facts = [ScriptFacts.of(emb, opt) for opt in (torch.optim.SparseAdam(list(emb.parameters())),
+                                                  torch.optim.AdamW(emb.parameters()),
+                                                  torch.optim.AdamW(emb.parameters(), foreach=False))]
+    assert [f.implementation for f in facts] == ["for-loop", "default: foreach on CUDA", "for-loop"]
