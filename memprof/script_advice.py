@@ -80,6 +80,8 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
         stack.enter_context(cut)
 
     region = _AutocastRegion(w, stack) if w.autocast_dtype is not None else None
+    live = [True]  # emptied when the plan is undone
+    stack.callback(live.clear)
 
     def planned(forward):
         if cut is not None:
@@ -98,7 +100,7 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
     # inside it pass straight through.
     depth = [0]
     for module in _entries(model):
-        w.patch(module, "forward", _outermost(module, planned(module.forward), depth))
+        w.patch(module, "forward", _outermost(module, planned(module.forward), depth, live))
     return w
 
 
@@ -152,13 +154,14 @@ def _entries(model: nn.Module) -> list[nn.Module]:
     return [model, *(c for c in model.children() if type(c).forward is not nn.Module.forward)]
 
 
-def _outermost(module: nn.Module, planned, depth: list[int]):
-    """``module.forward`` as ``planned`` where no other of the functions sharing ``depth`` is running."""
+def _outermost(module: nn.Module, planned, depth: list[int], live: list):
+    """``module.forward`` as ``planned`` where no other of the functions sharing ``depth`` is
+    running, while ``live`` (the plan is applied)."""
     plain = module.forward
 
     @functools.wraps(plain)
     def forward(*args, **kwargs):
-        if module.forward is not forward:
+        if not live:
             # A call PyTorch began before this plan was undone: it took the forward then, and the
             # plan changed in its hooks (where a step without an optimizer ends): the plan now.
             return module.forward(*args, **kwargs)

@@ -543,10 +543,10 @@ def _sparse_mask(self, mask):
 
 
 def _add_(self, other, *args, **kwargs):
-    """``dense.add_(sparse)`` (SparseAdam's update, the parameter's ``add_``): in place."""
-    if self.layout is not torch.strided:
-        raise NotImplementedError("the simulated GPU adds a sparse tensor to a dense one only, in place")
-    return self
+    """``dense.add_(sparse)`` (SparseAdam's update, the parameter's ``add_``): in place, where
+    PyTorch's kernel would coalesce on the meta device, which it cannot. A sparse ``self`` (sparse
+    gradients accumulated) as PyTorch's meta kernel has it."""
+    return self if self.layout is torch.strided else self.add_(other, *args, **kwargs)
 
 
 def _sparse_product(self, *args, **kwargs):
