@@ -200,6 +200,13 @@ class _Mode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _Joined:
+    """``spawn(join=False)``'s context, its one process done."""
+
+    def join(self, timeout: float | None = None) -> bool:
+        return True
+
+
 def _operands(args: tuple) -> tuple:
     """einsum's operands: ``einsum(eq, a, b, c)`` or ``einsum(eq, [a, b, c])``."""
     rest = args[1:]
@@ -519,6 +526,12 @@ class VirtualCUDA:
                                              lambda *args, **kwargs: None))
                 for attr, fn in self._ddp().items():
                     stack.enter_context(_replace(torch.nn.parallel.DistributedDataParallel, attr, fn))
+            # torch.multiprocessing.spawn(main_worker, nprocs=ngpus) (pytorch/examples' ImageNet):
+            # its processes would start Python afresh, without the simulated GPU.
+            import torch.multiprocessing as multiprocessing
+
+            stack.enter_context(_replace(multiprocessing, "spawn", self._spawn))
+            stack.enter_context(_replace(multiprocessing, "start_processes", self._spawn))
             # nn.DataParallel scatters its inputs and gathers their gradients in C++
             # (torch._C._scatter, _gather), which a CPU build lacks: PyTorch's own rule in Python.
             # torch.cuda.comm binds the names at import: imported first, so restored too.
@@ -601,6 +614,16 @@ class VirtualCUDA:
 
         return {"__init__": __init__, "register_comm_hook": lambda ddp, state, hook: left_out(hook),
                 "_register_builtin_comm_hook": lambda ddp, comm_hook_type: left_out(comm_hook_type)}
+
+    def _spawn(self, fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, *rest: Any,
+               **kwargs: Any) -> Any:
+        """``torch.multiprocessing.spawn``: its first process, in this one (rank 0 of ``nprocs``,
+        which a process group it makes knows from its arguments)."""
+        self._note("torch.multiprocessing.spawn",
+                   (f"the first of its {nprocs} processes (index 0)" if nprocs > 1 else "its one process")
+                   + " ran in this one, on the simulated GPU")
+        fn(0, *args)
+        return None if join else _Joined()
 
     def _compile(self, model: Any = None, **kwargs: Any) -> Any:
         """``torch.compile``: eager, with a note in the report (compiled code's memory is not simulated)."""

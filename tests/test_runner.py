@@ -297,6 +297,28 @@ def test_a_compiled_model_and_optimizer_step(tmp_path, caplog, clean):
 
 
 HABITS = {
+    # pytorch/examples' ImageNet: torch.multiprocessing.spawn(main_worker, nprocs=ngpus), a DDP rank each:
+    # spawned processes start Python afresh, without the simulated GPU ("NCCL not built in").
+    "spawn": ("""
+        import os
+        import torch
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+        from torch import nn
+        def main_worker(gpu, ngpus):
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29533")
+            dist.init_process_group("nccl", world_size=ngpus, rank=gpu)
+            torch.cuda.set_device(gpu)
+            model = nn.parallel.DistributedDataParallel(nn.Linear(64, 32).cuda(gpu), device_ids=[gpu])
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for i in range(10):
+                model(torch.randn(8, 64).cuda(gpu)).sum().backward()
+                opt.step(); opt.zero_grad()
+            dist.destroy_process_group()
+        if __name__ == "__main__":
+            mp.spawn(main_worker, nprocs=torch.cuda.device_count(), args=(torch.cuda.device_count(),))
+    """, [64 * 32, 32]),
     # nerf-pytorch: CUDA's default tensor type (deprecated since torch 2.1), torch.Tensor(data) made
     # there, cumprod (whose backward takes max(dim) of values not followed), and one Adam over the
     # coarse and the fine network, called apart: both are the model.
