@@ -14,6 +14,7 @@ nothing for it) and one stream has nothing to record.
 from __future__ import annotations
 
 import logging
+import pickle
 import weakref
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -75,7 +76,7 @@ class CudaRuntime:
             "seed": lambda: None,
             "seed_all": lambda: None,
             "initial_seed": lambda: 0,
-            "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+            "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8, device="cpu"),
             "set_rng_state": lambda state, device="cuda": None,
             "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8, device="cpu")],
             "set_rng_state_all": lambda states: None,
@@ -146,7 +147,22 @@ class CudaRuntime:
             "max_memory_reserved": self._count("peak_reserved"),
             "reset_peak_memory_stats": self._call("user_reset_peak"),
             "memory_stats": _ignoring_args(self.memory_stats),
+            # The allocator's snapshot, as memory debugging asks for it (torch.cuda.memory's
+            # _record_memory_history / _dump_snapshot): the simulated allocator's segments and
+            # blocks; no history of allocations is kept.
+            "memory_snapshot": _ignoring_args(self.memory_snapshot),
+            "_snapshot": _ignoring_args(lambda: {"segments": self.memory_snapshot(), "device_traces": [[]]}),
+            "_record_memory_history": _ignoring_args(lambda: None),
+            "_dump_snapshot": self._dump_snapshot,
         }
+
+    def memory_snapshot(self) -> list[dict]:
+        return self.allocator.model.snapshot() if self.allocator is not None else []
+
+    def _dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
+        with open(filename, "wb") as f:
+            pickle.dump({"segments": self.memory_snapshot(), "device_traces": [[]]}, f)
+        log.info("wrote the simulated allocator's segments to %s (no history of allocations)", filename)
 
     def _count(self, field: str) -> Callable[..., int]:
         """A query answering the allocator's counter ``field`` (0 without an allocator)."""

@@ -449,8 +449,12 @@ class VirtualCUDA:
             raise RuntimeError("a simulated CUDA device is already active; simulations cannot be nested")
         stack = ExitStack()
         try:
+            import torch.cuda.memory as cuda_memory
+
             for attr, fn in self.runtime.cuda().items():
                 stack.enter_context(_replace(torch.cuda, attr, fn))
+                if hasattr(cuda_memory, attr):  # called there too (torch.cuda.memory._record_memory_history)
+                    stack.enter_context(_replace(cuda_memory, attr, fn))
             import torch.cuda.nvtx as nvtx
 
             for attr, fn in self.runtime.nvtx().items():

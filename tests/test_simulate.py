@@ -226,6 +226,24 @@ def test_legacy_cuda_tensor_types():
     assert torch.cuda.FloatTensor is original and torch.Tensor.type is torch._C.TensorBase.type
 
 
+def test_a_memory_snapshot_of_the_simulated_allocator(tmp_path):
+    """torch.cuda.memory's snapshot calls, as memory debugging makes them (the CPU build has no
+    ``_cuda_record_memory_history``): the simulated allocator's segments and blocks."""
+    from memprof import snapshot
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = memprof.devices.get_gpu("h100")
+    with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)):
+        torch.cuda.memory._record_memory_history(max_entries=100000)
+        # 1 MiB, at most kSmallSize: the small pool, whose segments are kSmallBuffer, 2 MiB (CUDACachingAllocator.cpp)
+        x = torch.empty(512, 512, device="cuda")
+        torch.cuda.memory._dump_snapshot(str(tmp_path / "snap.pickle"))
+        assert torch.cuda.memory_snapshot() == torch.cuda.memory._snapshot()["segments"]
+        del x
+    segments = snapshot.load(tmp_path / "snap.pickle")["segments"]
+    assert [(s["total_size"], s["allocated_size"], s["segment_type"]) for s in segments] == [(2 * MiB, MiB, "small")]
+
+
 def test_a_storage_resized_in_place_frees_and_takes_its_block():
     """FSDP2 frees a layer's gathered parameters with ``storage.resize_(0)`` and makes them
     again with ``resize_(nbytes)``, below any dispatch mode: the simulated allocator follows."""
