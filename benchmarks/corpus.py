@@ -91,6 +91,7 @@ CORPUS: dict[str, tuple[str, str, list[str], bool]] = {
     "distill-vit": (".", "distill_vit.py", [], False),
     "mae-pretrain": (".", "mae_pretrain.py", [], False),
     "nerf-pytorch": (".", "nerf_pytorch.py", [], False),
+    "fno-darcy": (".", "fno_darcy.py", [], False),
     "word-lm-transformer": (".", "word_language_model.py", [], False),
     "word-lm-lstm": (".", "word_language_model.py", ["--model", "LSTM", "--nhid", "1024", "--nlayers", "2"], False),
 }

@@ -425,6 +425,12 @@ class _Watch:
             self._handles += [m.register_forward_pre_hook(Shared(self._on_entry), with_kwargs=True),
                               m.register_forward_hook(Shared(self._on_entry_end), always_call=True)]
         self._optimizers = weakref.WeakSet([opt] if opt is not None else [])
+        # Backward passes that reach the model, counted at one of its parameters: the micro-batches
+        # of a step (NeRF calls its network once per chunk of rays, with one backward for all).
+        self.backwards = 0
+        first = next((p for p in model.parameters() if p.requires_grad), None)
+        if first is not None:
+            self._handles.append(first.register_post_accumulate_grad_hook(Shared(self._on_backward)))
         self._model = weakref.ref(model)
         self._handles += [m.register_forward_pre_hook(Shared(functools.partial(self._on_module, name)))
                           for name, m in model.named_modules() if name]
@@ -474,6 +480,10 @@ class _Watch:
             self.facts.also_trains.append(f"{type(opt).__name__} over {sum(p.numel() for p in params) / 1e6:.2f} M "
                                           "parameters")
 
+    def _on_backward(self, p: torch.Tensor) -> None:
+        if self._handles:  # not once closed
+            self.backwards += 1
+
     def _autocast(self) -> None:
         if self.facts.autocast is None and torch.is_autocast_enabled("cuda"):
             self.facts.autocast = _dtype(torch.get_autocast_dtype("cuda"))
@@ -485,7 +495,7 @@ class _Watch:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.facts.micro_batches = max(self.forwards // max(self.steps, 1), 1)
+        self.facts.micro_batches = max((self.backwards or self.forwards) // max(self.steps, 1), 1)
         self.facts.checkpointed = self._checkpointed()
         return self.facts
 

@@ -269,6 +269,21 @@ def test_the_script_watch_sees_checkpointing_accumulation_and_the_optimizer():
     assert facts.also_trains == ["SGD over 0.01 M parameters"]  # 1000 x 10 + 10, once
 
 
+def test_the_watch_counts_micro_batches_by_backward():
+    """NeRF calls its network once per chunk of rays and runs one backward for all: one
+    micro-batch a step, not one per forward."""
+    from memprof.script_advice import _Watch
+
+    net = nn.Linear(3, 4)
+    opt = torch.optim.Adam(net.parameters())
+    watch = _Watch(net, opt)
+    for _ in range(2):
+        torch.cat([net(torch.randn(64, 3)) for _ in range(12)]).sum().backward()
+        opt.step()
+        watch.step()
+    assert watch.close().micro_batches == 1
+
+
 WRAPPED = """\
 import functools
 import torch, torch.nn as nn
