@@ -104,7 +104,20 @@ class Workload:
 
     # -- trying strategies ---------------------------------------------------------
     def patch(self, obj: Any, name: str, value: Any) -> None:
-        """``setattr(obj, name, value)``, undone by :meth:`plan`'s exit (a strategy's change to the model)."""
+        """``setattr(obj, name, value)``, undone by :meth:`plan`'s exit (a strategy's change to the model).
+
+        A module's attribute is set in its ``__dict__``, as ``nn.Module.__setattr__`` sets a
+        function: a wrapper's own ``__setattr__`` (Lightning Fabric's ``_FabricModule`` passes
+        it on to the module it wraps) would set it on another module too."""
+        if isinstance(obj, nn.Module):
+            own = obj.__dict__
+            if name in own:
+                old = own[name]
+                self._undo.append(lambda: own.__setitem__(name, old))
+            else:  # e.g. a method: without the instance attribute the class's is found again
+                self._undo.append(lambda: own.pop(name, None))
+            own[name] = value
+            return
         if name in getattr(obj, "__dict__", {}):
             old = obj.__dict__[name]
             self._undo.append(lambda: setattr(obj, name, old))

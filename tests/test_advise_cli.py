@@ -811,3 +811,41 @@ def test_an_optimizer_without_a_foreach_option_loops():
                                                   torch.optim.AdamW(emb.parameters()),
                                                   torch.optim.AdamW(emb.parameters(), foreach=False))]
     assert [f.implementation for f in facts] == ["for-loop", "default: foreach on CUDA", "for-loop"]
+
+
+# Lightning Fabric's own loop: fabric.setup wraps the model in a _FabricModule, whose __setattr__
+# passes attributes on to the module it wraps (a plan's forward set on both recursed).
+FABRIC = """\
+import torch
+from torch import nn
+import lightning as L
+
+fabric = L.Fabric(accelerator="cuda", devices=1, precision="bf16-mixed")
+fabric.launch()
+model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = fabric.setup(model, optimizer)
+dataloader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(2048, 1024)), batch_size=256)
+dataloader = fabric.setup_dataloaders(dataloader)
+for epoch in range(2):
+    for i, (x,) in enumerate(dataloader):
+        is_accumulating = i % 2 != 0
+        with fabric.no_backward_sync(model, enabled=is_accumulating):
+            loss = model(x).square().mean()
+            fabric.backward(loss)
+        if not is_accumulating:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    fabric.print(f"epoch {epoch} loss {loss.item():.3f}")
+"""
+
+
+def test_a_lightning_fabric_loop_gets_its_plans(tmp_path):
+    data, _ = advise_source(tmp_path, FABRIC)
+    does = data["script_does"]
+    assert (does["autocast"], does["micro_batches"]) == ("bf16", 2)  # Fabric's precision, its accumulation
+    assert all("ckpt" in name for name in data["failed"]), data["failed"]  # no repeated blocks
+    plans = {p["plan"]: p for p in data["plans"]}
+    assert {"baseline", "accum2", "offload_act"} <= set(plans) and not any("bf16" in p for p in plans)
+    assert plans["accum2"]["peak_allocated"] < plans["baseline"]["peak_allocated"]
