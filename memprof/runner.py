@@ -358,6 +358,8 @@ class _Observer:
                     found |= more
             if found == wanted:
                 return self._as_one(models)
+        if best is None and (copied := self._model_of_copy(opt, wanted)) is not None:
+            return copied
         if best is None and quiet:
             return None
         if best is None:
@@ -371,6 +373,20 @@ class _Observer:
                 type(best).__name__, best_key[0], len(wanted), type(opt).__name__,
             )
         return best
+
+
+    def _model_of_copy(self, opt: torch.optim.Optimizer, wanted: set[int]) -> nn.Module | None:
+        """Where the optimizer steps tensors no module holds: the trainable module called or held by
+        the loop with as many parameter elements, whose fp32 master copy they are (fairseq's
+        FP16Optimizer steps one flat fp32 tensor, and the model runs inside the criterion)."""
+        count = sum(p.numel() for group in opt.param_groups for p in group["params"])
+        called = list(self._outermost)
+        for module in [*called, *(m for _, m in script_modules(sys._getframe(2)) if m not in called)]:
+            if sum(p.numel() for p in module.parameters() if p.requires_grad) == count:
+                log.info("%s steps %d tensors that no module holds, as many numbers as %s trains: taken for "
+                         "its master copy", type(opt).__name__, len(wanted), type(module).__name__)
+                return module
+        return None
 
 
 def _not_moved(model: nn.Module) -> str:

@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 # The categories the ledger attributes: all but temporaries.
 _NAMED = tuple(c for c in ALLOCATED if c is not Category.TEMPORARIES)
 _TIMELINE_ROWS_PER_STEP = 50_000
+_OWN = "the optimizer's own"  # the detail of parameters the optimizer holds and no module does
 
 # The tracker whose hooks are installed, if any: module and optimizer hooks are
 # process-global, so two trackers would see (and reset the counters of) each
@@ -792,6 +793,18 @@ class Tracker:
         it all.)
         """
         led = self._ledger
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if not (isinstance(p, torch.Tensor) and self._on_device(p)):
+                    continue
+                entry = led.get(_storage(p))
+                if entry is None or entry.detail == _OWN:
+                    # The optimizer's own parameters, which no module of the model holds: fp32 master
+                    # weights kept by hand (fairseq's FP16Optimizer: one flat tensor), a learnable
+                    # temperature; and the gradients the script gives them.
+                    led.add(_storage(p), Category.PARAMETERS, "", _OWN)
+                    if p.grad is not None and self._on_device(p.grad):
+                        led.add(_storage(p.grad), Category.GRADIENTS, "", _OWN, replace=True)
         last = self._recorded_state.get(opt) if changed else None
         if last is not None and len(last) != len(opt.state):
             last = None  # parameters came or went: compare nothing, record all

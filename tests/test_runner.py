@@ -689,3 +689,32 @@ def test_an_einsum_of_three_tensors_says_its_order_depends_on_opt_einsum(tmp_pat
     """), steps=2, target="h200")
     noted = "einsum order" in report.meta.get("simulation_notes", {})
     assert noted == (not torch.backends.opt_einsum.is_available())
+
+
+def test_an_optimizer_over_a_master_copy_that_no_module_holds(tmp_path, clean):
+    """fairseq's FP16Optimizer: the model in fp16, Adam over one flat fp32 master copy of its
+    parameters, the model called inside the criterion. The model is the module with as many
+    numbers to train; the master copy and its gradient are parameters and gradients."""
+    report = observe_script(write(tmp_path, """
+        import torch
+        from torch import nn
+        class Criterion(nn.Module):
+            def forward(self, model, x):
+                return model(x).float().square().mean()
+        model = nn.Linear(512, 512, bias=False).cuda().half()
+        criterion = Criterion()
+        master = nn.Parameter(torch.cat([p.data.float().view(-1) for p in model.parameters()]))
+        master.grad = master.data.new_zeros(master.numel())
+        optimizer = torch.optim.Adam([master])
+        for i in range(10):
+            criterion(model, torch.randn(64, 512, device="cuda").half()).backward()
+            master.grad.copy_(torch.cat([p.grad.float().view(-1) for p in model.parameters()]))
+            optimizer.step()
+            for p in model.parameters():
+                p.data.copy_(master.data.view_as(p))
+                p.grad = None
+    """), steps=3, target="h200")
+    assert report.peak.bytes["parameters"] == 512 * 512 * 2 + 512 * 512 * 4  # fp16 weight, fp32 master
+    assert report.optimizer_state == {"exp_avg": MiB, "exp_avg_sq": MiB}  # (its step count is on the host)
+    start = report.timeline.groupby("step").first()
+    assert (start["gradients"] == MiB).all()  # the master's gradient, kept across steps

@@ -709,6 +709,22 @@ def test_an_optimizer_found_ends_the_steps_without_one():
     assert optimizer.groupby("step").size().to_dict() == {1: 1, 2: 1, 3: 1}
 
 
+def test_a_parameter_no_module_holds_is_the_optimizers_own():
+    """A learnable temperature beside the model (CLIP's logit scale kept by the loop), stepped by
+    the model's optimizer: a parameter, and its gradient a gradient (they were temporaries)."""
+    model = mlp()
+    temperature = nn.Parameter(torch.ones(128, 512))  # 256 KiB
+    opt = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
+    x = torch.randn(512, 512)
+    with memprof.track(model, opt) as prof:
+        for _ in range(2):
+            (model(x) * temperature.mean()).sum().backward()
+            opt.step()
+    r = prof.report()
+    assert r.peak.bytes["parameters"] == 2 * MiB + 256 * 1024
+    assert r.timeline.groupby("step")["gradients"].first().tolist() == [0, 2 * MiB + 256 * 1024]
+
+
 def test_closure_optimizer_phase_after_backward():
     """Forward and backward inside optimizer.step(closure) (Lightning, LBFGS):
     the optimizer phase starts when the closure returns, after backward."""
