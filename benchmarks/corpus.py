@@ -92,6 +92,12 @@ CORPUS: dict[str, tuple[str, str, list[str], bool]] = {
     "mae-pretrain": (".", "mae_pretrain.py", [], False),
     "nerf-pytorch": (".", "nerf_pytorch.py", [], False),
     "fno-darcy": (".", "fno_darcy.py", [], False),
+    "yolo-detect": (".", "yolo_detect.py", [], False),
+    "vqvae-ema": (".", "vqvae_ema.py", [], False),
+    "ddpm-unet": (".", "ddpm_unet.py", [], False),
+    "fairseq-tokens": (".", "fairseq_tokens.py", [], False),
+    "qat-resnet": (".", "qat_resnet.py", [], False),
+    "megatron-fused": (".", "megatron_fused.py", [], False),
     "word-lm-transformer": (".", "word_language_model.py", [], False),
     "word-lm-lstm": (".", "word_language_model.py", ["--model", "LSTM", "--nhid", "1024", "--nlayers", "2"], False),
 }

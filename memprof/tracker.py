@@ -1022,7 +1022,11 @@ class Tracker:
         pack_inner, unpack_inner = inner if inner else (None, None)
 
         def pack(t: torch.Tensor) -> Any:
-            packed = pack_inner(t) if pack_inner is not None else t
+            # Detached: the tensor itself would hold its grad_fn, the node that saves it, in a
+            # reference cycle through C++ that no collector breaks: a graph dropped without a
+            # backward (an evaluation with gradients on, outputs no loss uses, TorchScript's
+            # autodiff under no_grad) would never free what it saved.
+            packed = pack_inner(t) if pack_inner is not None else t.detach()
             # What stays on the device is what the (possibly chained) hook kept:
             # save_on_cpu returns a host copy, which costs the device nothing.
             if isinstance(packed, torch.Tensor) and self._on_device(packed):

@@ -190,6 +190,12 @@ class _Mode(TorchFunctionMode):
             return self.vc.sdpa.attention(*args, **kwargs)
         if func is torch.Tensor.backward:
             return self._backward(*args, **kwargs)
+        if func in _AUTOGRAD:
+            # torch.autograd.backward (Megatron's backward step) and grad: the engine runs with the
+            # mode on, as for Tensor.backward (see _run_backward): a checkpoint's recomputation
+            # in it makes its tensors on the simulated GPU too ("no accelerator is available").
+            with self:
+                return _unchecked(func)(*args, **kwargs)
         if isinstance(func, FunctionType) and func.__module__ in _PYTHON_FUNCTIONALS and _checks(func):
             # A Python function such as F.multi_head_attention_forward calls
             # more torch functions (linear, scaled_dot_product_attention), and
@@ -382,6 +388,7 @@ def _new(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     return torch.sparse_coo_tensor(*args, check_invariants=False)
 
 _PYTHON_FUNCTIONALS = frozenset({"torch.nn.functional", "torch.functional"})
+_AUTOGRAD = (torch.autograd.backward, torch.autograd.grad)
 _unchecked_cache: dict[Callable, Callable] = {}
 
 
@@ -756,6 +763,16 @@ def _set_data(t: torch.Tensor, value: torch.Tensor) -> None:
     else:
         value = value.detach().requires_grad_(t.requires_grad)
     torch.utils.swap_tensors(t, value)
+    _rehook(t)
+
+
+def _rehook(t: torch.Tensor) -> None:
+    """Give ``t``'s post-accumulate-grad hooks back to autograd after ``torch.utils.swap_tensors``,
+    which swaps the tensors' contents but leaves those hooks registered with the old contents:
+    neither the hooks set before the swap nor any set after it ran (a model run once on the host
+    to size its strides, as YOLO's is, then moved: its gradients went unseen)."""
+    if t._post_accumulate_grad_hooks is not None:
+        t._post_accumulate_grad_hooks = t._post_accumulate_grad_hooks
 
 
 def _keeping_parameters(original: Callable) -> Callable:
@@ -795,6 +812,8 @@ def _keeping_parameters(original: Callable) -> Callable:
         first = WeakIdKeyDictionary()
         for module, name, old in before:
             new = module._parameters.get(name)
+            if new is old:
+                _rehook(old)
             kept = first.get(old)
             if kept is None:
                 first[old] = new

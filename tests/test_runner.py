@@ -297,6 +297,30 @@ def test_a_compiled_model_and_optimizer_step(tmp_path, caplog, clean):
 
 
 HABITS = {
+    # Megatron's backward step: torch.autograd.backward, not loss.backward(), through reentrant
+    # checkpoints whose recomputation makes tensors on torch.cuda.current_device(); and
+    # torch.autograd.grad for a gradient penalty.
+    "autograd_backward": ("""
+        import torch
+        from torch import nn
+        from torch.utils.checkpoint import checkpoint
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(256, 256)
+            def forward(self, x):
+                return torch.relu(self.lin(x) + torch.zeros(x.shape, device=torch.cuda.current_device()))
+        model = nn.Sequential(*[Block() for _ in range(4)]).cuda()
+        opt = torch.optim.Adam(model.parameters())
+        for i in range(10):
+            x = torch.randn(64, 256, device="cuda", requires_grad=True)
+            y = model[0](x)
+            penalty, = torch.autograd.grad(y.sum(), x, create_graph=True)
+            for block in model[1:]:
+                y = checkpoint(block, y, use_reentrant=True)
+            torch.autograd.backward([y.mean() + penalty.square().mean()])
+            opt.step(); opt.zero_grad()
+    """, [256 * 256, 256] * 4),
     # pytorch/examples' ImageNet: torch.multiprocessing.spawn(main_worker, nprocs=ngpus), a DDP rank each:
     # spawned processes start Python afresh, without the simulated GPU ("NCCL not built in").
     "spawn": ("""
@@ -718,3 +742,22 @@ def test_an_optimizer_over_a_master_copy_that_no_module_holds(tmp_path, clean):
     assert report.optimizer_state == {"exp_avg": MiB, "exp_avg_sq": MiB}  # (its step count is on the host)
     start = report.timeline.groupby("step").first()
     assert (start["gradients"] == MiB).all()  # the master's gradient, kept across steps
+
+
+def test_a_model_run_on_the_host_before_it_moves(tmp_path, clean):
+    """YOLOv5 runs its model once on the host to size its strides, then moves it: memprof's
+    gradient hooks from that first call, and the tracker's after the move, must see the gradients
+    (torch.utils.swap_tensors, which moves parameters onto the simulated GPU, left them unheard)."""
+    report = observe_script(write(tmp_path, """
+        import torch
+        from torch import nn
+        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False))
+        model(torch.zeros(1, 512))  # sizing on the host
+        model = model.cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for i in range(10):
+            model(torch.randn(64, 512, device="cuda")).square().mean().backward()
+            opt.step(); opt.zero_grad()
+    """), steps=3, target="h200", oom=False)  # as the advisor runs it: no early tracking, parameters swapped
+    after = report.timeline[report.timeline["phase"] == "after backward"]
+    assert (after["gradients"] == 2 * MiB).all() and (after["activation_gradients"] == 0).all()
