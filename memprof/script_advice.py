@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import statistics
+import types
 import weakref
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
@@ -92,7 +93,8 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
             forward = region.wrap(forward)
         return forward
 
-    if planned(model.forward) is model.forward:
+    forward = model.forward  # (each read of a method makes a new bound method)
+    if planned(forward) is forward:
         return w
     # The model's forward, and its children's for a model the script trains through its
     # methods (PPO's agent.get_action_and_value(x) calling self.actor(x) and self.critic(x),
@@ -156,11 +158,14 @@ def _entries(model: nn.Module) -> list[nn.Module]:
 
 def _outermost(module: nn.Module, planned, depth: list[int], live: list):
     """``module.forward`` as ``planned`` where no other of the functions sharing ``depth`` is
-    running, while ``live`` (the plan is applied)."""
+    running, while ``live`` (the plan is applied). A method of ``module``: ``copy.deepcopy`` of
+    the module (an EMA, a model copied to evaluate) binds it to the copy, which runs its own
+    forward (a function would have run this module's)."""
     plain = module.forward
 
-    @functools.wraps(plain)
-    def forward(*args, **kwargs):
+    def forward(self, *args, **kwargs):
+        if self is not module:
+            return type(self).forward(self, *args, **kwargs)
         if not live:
             # A call PyTorch began before this plan was undone: it took the forward then, and the
             # plan changed in its hooks (where a step without an optimizer ends): the plan now.
@@ -173,7 +178,7 @@ def _outermost(module: nn.Module, planned, depth: list[int], live: list):
         finally:
             depth[0] -= 1
 
-    return forward
+    return types.MethodType(functools.wraps(plain)(forward), module)
 
 
 def _under(make_context, fn):
@@ -421,6 +426,7 @@ class _Watch:
         # to run outside another is the step's entry (as memprof.script_advice applies plans).
         self._entry: weakref.ref | None = None
         self._open: list[bool] = []  # per entry forward running: whether it counts
+        self._entries = weakref.WeakSet(_entries(model))  # (a copy of the model shares their hooks)
         for m in _entries(model):
             self._handles += [m.register_forward_pre_hook(Shared(self._on_entry), with_kwargs=True),
                               m.register_forward_hook(Shared(self._on_entry_end), always_call=True)]
@@ -440,7 +446,7 @@ class _Watch:
             return
         # Not re-run in backward (the whole model checkpointed), nor evaluation between steps.
         counts = (not self._open and torch._C._current_graph_task_id() == -1 and torch.is_grad_enabled()
-                  and (self._entry is None or self._entry() is module))
+                  and module in self._entries and (self._entry is None or self._entry() is module))
         self._open.append(counts)
         if not counts:
             return

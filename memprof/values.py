@@ -507,12 +507,28 @@ def _binomial(count, prob, generator=None):
     return count.new_empty(torch.broadcast_shapes(count.shape, prob.shape))
 
 
-#: Operators without a meta kernel, as CUDA's kernels allocate (through the modes below this one):
-#: CTC's backward, and the samplers of torch.distributions' Beta, Dirichlet and Binomial.
+def _fused_observer_fake_quant(self, observer_on, fake_quant_on, running_min, running_max, scale, zero_point,
+                               *args, **kwargs):
+    """Quantization-aware training's fused observer: a per-channel one's empty statistics first
+    take the channels' size, as the CUDA kernel sizes them (FusedObsFakeQuant.cu), which
+    PyTorch's meta kernel does not (the weights' observers stayed empty, and convert() failed)."""
+    per_channel, ch_axis = kwargs.get("per_row_fake_quant", args[4] if len(args) > 4 else False), (
+        kwargs.get("ch_axis", args[3] if len(args) > 3 else 0))
+    if per_channel and running_min.numel() == 0:
+        for t in (running_min, running_max, scale, zero_point):
+            t.resize_(self.size(ch_axis))
+    return torch.ops.aten._fused_moving_avg_obs_fq_helper.default(
+        self, observer_on, fake_quant_on, running_min, running_max, scale, zero_point, *args, **kwargs)
+
+
+#: Operators without a meta kernel, or whose meta kernel leaves out what CUDA's does, as CUDA's
+#: kernels allocate (through the modes below this one): CTC's backward, the samplers of
+#: torch.distributions' Beta, Dirichlet and Binomial, quantization-aware training's observer.
 _NO_META = {torch.ops.aten._ctc_loss_backward.Tensor: _ctc_loss_backward,
             torch.ops.aten._ctc_loss_backward.default: _ctc_loss_backward,
             torch.ops.aten._sample_dirichlet.default: _sample_like,
-            torch.ops.aten.binomial.default: _binomial}
+            torch.ops.aten.binomial.default: _binomial,
+            torch.ops.aten._fused_moving_avg_obs_fq_helper.default: _fused_observer_fake_quant}
 
 
 def _made_up_scalar(t: torch.Tensor) -> Any:

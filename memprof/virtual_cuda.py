@@ -128,6 +128,10 @@ class _Mode(TorchFunctionMode):
             return True if args[0].is_meta else func(*args)
         if owner is _DATA and func.__name__ == "__set__" and _on_meta(args[1]) and not args[0].is_meta:
             return _set_data(*args)
+        if func in _INDEXING and len(args) > 1 and _on_meta(args[0]):
+            index = _listed(args[1])
+            if index is not args[1]:
+                args = (args[0], index, *args[2:])
         if func is torch.device and len(args) == 1 and isinstance(args[0], int) and not kwargs:
             return torch.device("cuda", args[0])  # an index alone names a device of the accelerator
         name = getattr(func, "__name__", "")
@@ -301,6 +305,27 @@ def _to_meta(t: torch.Tensor, device: Any = None, non_blocking: bool = False, me
 # Tensors made from Python data: C++ fills a host tensor and moves it to the device with
 # the Python dispatch key excluded (tensor_new.cpp), so no dispatch mode would see it.
 _FROM_DATA = {"tensor", "as_tensor", "asarray"}
+
+
+_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
+
+
+def _listed(index: Any) -> Any:
+    """An index with its Python lists of integers or booleans (YOLOv5's ``gain[[2, 3]]``) as host
+    tensors moved to the simulated GPU, where their values are followed: C++ makes an index tensor
+    of a list with the Python dispatch key excluded, so no mode saw its values, and a mask made
+    from what it selected was taken for all true."""
+    if isinstance(index, tuple):
+        listed = tuple(_listed(i) for i in index)
+        return listed if any(a is not b for a, b in zip(listed, index)) else index
+    if isinstance(index, (list, range)) and _integers(index):
+        return _to_meta(torch.tensor(list(index), device="cpu"))
+    return index
+
+
+def _integers(items: Any) -> bool:
+    return all(isinstance(i, (int, bool)) or isinstance(i, (list, range)) and _integers(i) for i in items) and bool(
+        len(items))
 
 
 def _from_data(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:

@@ -849,3 +849,20 @@ def test_a_lightning_fabric_loop_gets_its_plans(tmp_path):
     plans = {p["plan"]: p for p in data["plans"]}
     assert {"baseline", "accum2", "offload_act"} <= set(plans) and not any("bf16" in p for p in plans)
     assert plans["accum2"]["peak_allocated"] < plans["baseline"]["peak_allocated"]
+
+
+def test_a_copy_of_the_model_made_during_a_plan_runs_its_own_forward(tmp_path):
+    """torchvision's quantization reference copies the model each epoch and evaluates the copy on
+    the host: a plan's forward, copied with the module, ran the model the plan was applied to
+    ("Tensor on device meta is not on the expected device cpu"), in every plan, the step as it is too."""
+    data, _ = advise_source(tmp_path, "\n".join([
+        "import copy, torch",
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)).cuda()",
+        "opt = torch.optim.AdamW(model.parameters())",
+        "for step in range(40):",
+        "    model(torch.randn(32, 64, device='cuda')).square().mean().backward()",
+        "    opt.step(); opt.zero_grad()",
+        "    copy.deepcopy(model).cpu()(torch.randn(4, 64))",
+    ]) + "\n")
+    assert all("ckpt" in name for name in data["failed"]), data["failed"]  # no repeated blocks, only that
+    assert {"baseline", "bf16", "accum2", "offload_act"} <= {p["plan"] for p in data["plans"]}

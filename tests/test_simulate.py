@@ -244,6 +244,34 @@ def test_a_memory_snapshot_of_the_simulated_allocator(tmp_path):
     assert [(s["total_size"], s["allocated_size"], s["segment_type"]) for s in segments] == [(2 * MiB, MiB, "small")]
 
 
+def test_an_index_given_as_a_python_list_keeps_its_values_followed():
+    """YOLOv5's build_targets: gain[[2, 3]] - gxy, then a mask of it selects targets. C++ makes an
+    index tensor of a list out of the modes' sight: what it selected had no values, and the
+    selection was sized as if the mask were all true."""
+    with VirtualCUDA("h100"):
+        gain = torch.tensor([1.0, 1, 80, 80, 80, 80, 1], device="cuda")
+        gxy = torch.tensor([[10.0, 20.0], [70.0, 75.0]], device="cuda")
+        near = (gain[[2, 3]] - gxy) > 15
+        assert near.tolist() == [[True, True], [False, False]] and gxy[near].shape == (2,)
+        x = torch.arange(6, device="cuda")
+        x[[1, 3]] = 0
+        assert x.tolist() == [0, 0, 2, 0, 4, 5] and x[[True, False] * 3].tolist() == [0, 2, 4]
+
+
+def test_quantization_aware_training_sizes_its_per_channel_observers():
+    """prepare_qat's fused observer: a convolution's per-channel statistics take its 16 output
+    channels on the first forward, as on a GPU (PyTorch's meta kernel left them empty)."""
+    import torch.ao.quantization as tq
+
+    model = nn.Sequential(tq.QuantStub(), nn.Conv2d(3, 16, 3), tq.DeQuantStub())
+    model.qconfig = tq.get_default_qat_qconfig("fbgemm")
+    tq.prepare_qat(model, inplace=True)
+    with VirtualCUDA("h100"):
+        model.cuda()(torch.randn(2, 3, 8, 8, device="cuda")).sum().backward()
+        fake_quant = model[1].weight_fake_quant
+        assert [tuple(t.shape) for t in (fake_quant.activation_post_process.min_val, fake_quant.scale)] == [(16,), (16,)]
+
+
 def test_a_storage_resized_in_place_frees_and_takes_its_block():
     """FSDP2 frees a layer's gathered parameters with ``storage.resize_(0)`` and makes them
     again with ``resize_(nbytes)``, below any dispatch mode: the simulated allocator follows."""
