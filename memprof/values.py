@@ -141,7 +141,11 @@ class Values(TorchDispatchMode):
         if func in _UNINITIALISED:
             return func(*args, **kwargs)  # no values to follow: its memory is whatever was there
         if func in _NO_META:
-            return _NO_META[func](*args, **kwargs)
+            out = _NO_META[func](*args, **kwargs)
+            for a, t in zip(func._schema.arguments, args):  # what it wrote in place is not followed
+                if a.alias_info is not None and a.alias_info.is_write and isinstance(t, torch.Tensor):
+                    self._shadows.pop(weakref.ref(t.untyped_storage()), None)
+            return out
         known = all(self._has(t) for t in metas)
         if func in _READS:  # a value for the host (C++'s item(), torch.equal): the shadows', else made up
             return func(*map_leaves(self._cpu, args), **kwargs) if known else _READS[func](*args, **kwargs)

@@ -261,6 +261,8 @@ def test_an_index_given_as_a_python_list_keeps_its_values_followed():
 def test_quantization_aware_training_sizes_its_per_channel_observers():
     """prepare_qat's fused observer: a convolution's per-channel statistics take its 16 output
     channels on the first forward, as on a GPU (PyTorch's meta kernel left them empty)."""
+    import copy
+
     import torch.ao.quantization as tq
 
     model = nn.Sequential(tq.QuantStub(), nn.Conv2d(3, 16, 3), tq.DeQuantStub())
@@ -270,6 +272,9 @@ def test_quantization_aware_training_sizes_its_per_channel_observers():
         model.cuda()(torch.randn(2, 3, 8, 8, device="cuda")).sum().backward()
         fake_quant = model[1].weight_fake_quant
         assert [tuple(t.shape) for t in (fake_quant.activation_post_process.min_val, fake_quant.scale)] == [(16,), (16,)]
+        # The tutorial's evaluation: a copy on the host, converted (statistics not followed: made up alike)
+        quantized = tq.convert(copy.deepcopy(model).cpu().eval())
+        assert type(quantized[1]).__name__ == "Conv2d" and quantized[1].weight().is_quantized
 
 
 def test_a_storage_resized_in_place_frees_and_takes_its_block():
