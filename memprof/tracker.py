@@ -242,9 +242,18 @@ class Tracker:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary(
             (m, f"{root}.{n}" if n else root) for n, m in named.named_modules()
         )
-        self._types = {self._names[m]: type(m).__name__ for m in named.modules()}
+        # A module registered under several parents (YOLOv5's one SiLU in every Conv): a module
+        # of its own at each path, named at each call by the module calling it (_call_name).
+        self._types: dict[str, str] = {}
+        self._paths: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+        for n, m in named.named_modules(remove_duplicate=False):
+            path, first = f"{root}.{n}" if n else root, self._names[m]
+            self._types[path] = type(m).__name__
+            if path != first:
+                self._paths.setdefault(m, {first.rpartition(".")[0]: first})[path.rpartition(".")[0]] = path
         self._names[model] = root
         self._by_name = {name: weakref.ref(m) for m, name in self._names.items()}
+        self._by_name.update((path, weakref.ref(m)) for m, paths in self._paths.items() for path in paths.values())
         self._by_name[root] = weakref.ref(model)
         # Modules whose forward a checkpoint recomputed in backward (in the last full step).
         self._recompute_roots: set[str] = set()
@@ -586,10 +595,12 @@ class Tracker:
             h.append(nn.modules.module.register_module_forward_pre_hook(self._on_pre))
             h.append(nn.modules.module.register_module_forward_hook(self._on_post, always_call=True))
         else:
+            hooked: set[int] = set()  # a shared module, hooked once for all its paths
             for name in self._plan.hooked:
                 ref = self._by_name.get(name)  # "" for a saved tensor's or a node's event
                 module = ref() if ref is not None else None
-                if module is not None:
+                if module is not None and id(module) not in hooked:
+                    hooked.add(id(module))
                     h.append(module.register_forward_pre_hook(Shared(self._on_pre)))
                     h.append(module.register_forward_hook(Shared(self._on_post), always_call=True))
         # Bound once a step, not once a node or parameter (see _hook_graph).
@@ -934,7 +945,7 @@ class Tracker:
             entered, self._entered = self._entered, None
             if args is entered:  # this call's hook already ran where its step began (_on_manual_pre)
                 return
-        name = self._names.get(module) or self._adopt_compiled(module, args)
+        name = self._call_name(module) or self._adopt_compiled(module, args)
         if name is None:  # a module outside the tracked model: part of its caller
             if module not in self._outside:
                 self._adopt_other(module)
@@ -982,10 +993,19 @@ class Tracker:
             self._on_root_pre(module, args, {})  # this call's hooks were gathered before that one
         return name
 
+    def _call_name(self, module: nn.Module) -> str | None:
+        """``module``'s name in the forward now running: a shared one's path under the module calling it."""
+        paths = self._paths.get(module) if self._paths else None
+        if paths is not None and self._fwd:
+            return paths.get(self._fwd[-1].name, self._names.get(module))
+        return self._names.get(module)
+
     def _on_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._done or transformed():  # see _on_pre
             return
-        name = self._names.get(module)
+        paths = self._paths.get(module) if self._paths else None
+        name = self._fwd[-1].name if paths and self._fwd and self._fwd[-1].name in paths.values() else (
+            self._names.get(module))
         if name is None or not self._fwd or self._fwd[-1].name != name:
             return
         if output is None and self._failed is None:

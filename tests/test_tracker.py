@@ -725,6 +725,34 @@ def test_a_parameter_no_module_holds_is_the_optimizers_own():
     assert r.timeline.groupby("step")["gradients"].first().tolist() == [0, 2 * MiB + 256 * 1024]
 
 
+def test_a_module_shared_by_several_parents_is_a_module_at_each_path():
+    """YOLOv5's Conv keeps one SiLU as a class attribute, registered in every Conv: each call is
+    named by the Conv calling it (all were the first Conv's)."""
+
+    class Conv(nn.Module):
+        act = nn.SiLU()
+
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+            self.act = Conv.act
+
+        def forward(self, x):
+            return self.act(self.conv(x))
+
+    model = nn.Sequential(Conv(), Conv(), Conv())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.track(model, opt, warmup=2, every=1) as prof:
+        for _ in range(6):
+            model(torch.randn(4, 8, 64, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    r = prof.report()
+    saved = r.modules["activations_saved_over_step"]
+    assert [saved[f"Sequential.{i}.act"] for i in range(3)] == [4 * 8 * 64 * 64 * 4] * 3  # SiLU's input, 512 KiB
+    assert r.steps["peak_allocated"].nunique() == 1
+
+
 def test_closure_optimizer_phase_after_backward():
     """Forward and backward inside optimizer.step(closure) (Lightning, LBFGS):
     the optimizer phase starts when the closure returns, after backward."""
