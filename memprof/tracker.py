@@ -939,7 +939,9 @@ class Tracker:
         # Dynamo inlines module hooks into its graph; inside torch.func's transforms (per-sample
         # gradients) tensors are wrappers without storages: hooks do nothing there, and the
         # region is attributed as a whole, from the modules around it and the saved tensors.
-        if self._done or transformed():
+        # (not self._active: this tracker closed in an earlier hook of a call whose hooks PyTorch
+        # had gathered, as the runner closes its early tracker in the model's first forward)
+        if not self._active or self._done or transformed():
             return
         if self._entered is not None:
             entered, self._entered = self._entered, None
@@ -1001,7 +1003,7 @@ class Tracker:
         return self._names.get(module)
 
     def _on_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._done or transformed():  # see _on_pre
+        if not self._active or self._done or transformed():  # see _on_pre
             return
         paths = self._paths.get(module) if self._paths else None
         name = self._fwd[-1].name if paths and self._fwd and self._fwd[-1].name in paths.values() else (
@@ -1046,12 +1048,12 @@ class Tracker:
             # reference cycle through C++ that no collector breaks: a graph dropped without a
             # backward (an evaluation with gradients on, outputs no loss uses, TorchScript's
             # autodiff under no_grad) would never free what it saved.
-            packed = pack_inner(t) if pack_inner is not None else t.detach()
+            packed = pack_inner(t) if pack_inner is not None else t
             # What stays on the device is what the (possibly chained) hook kept:
             # save_on_cpu returns a host copy, which costs the device nothing.
             if isinstance(packed, torch.Tensor) and self._on_device(packed):
-                self._on_saved(packed)
-            return packed
+                self._on_saved(packed)  # (the tensor itself: a parameter FSDP gathered is one)
+            return packed.detach() if packed is t else packed
 
         unpack = unpack_inner if unpack_inner is not None else _identity
         self._chained = inner is not None

@@ -58,11 +58,12 @@ def hooks_left():
         "optimizer_pre": dict(optimizer_hooks._global_optimizer_pre_hooks),
         "optimizer_post": dict(optimizer_hooks._global_optimizer_post_hooks),
         "profile": sys.getprofile(),
+        "saved_tensors": torch._C._autograd._top_saved_tensors_default_hooks(False),
     }
 
 
 NO_HOOKS = {k: {} for k in ("forward_pre", "forward", "forward_always", "optimizer_pre", "optimizer_post")} | {
-    "profile": None
+    "profile": None, "saved_tensors": None
 }
 
 
