@@ -341,10 +341,9 @@ class ScriptFacts:
         No optimizer: the script updates the parameters itself (memprof.manual_steps)."""
         d = optimizer.defaults if optimizer is not None else {}
         # An optimizer without a foreach option (SparseAdam, LBFGS, Hugging Face's Adafactor) loops.
-        impl = "fused" if d.get("fused") else "foreach" if d.get("foreach") else (
+        impl = "the script updates the parameters itself" if optimizer is None else "fused" if d.get("fused") else (
+            "foreach" if d.get("foreach") else
             "for-loop" if d.get("foreach") is False or "foreach" not in d else "default: foreach on CUDA")
-        if optimizer is None:
-            impl = "the script updates the parameters itself"
         counts: dict[str, int] = {}
         frozen = 0
         for p in model.parameters():
