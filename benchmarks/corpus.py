@@ -23,6 +23,7 @@ reserved, measured against predicted.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,75 +33,83 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+VISION = ("torchvision",)
 SCRIPTS = HERE / "scripts"
 GiB = 2**30
 
-#: name -> (directory under benchmarks/scripts, script, its arguments, needs torchvision)
-CORPUS: dict[str, tuple[str, str, list[str], bool]] = {
-    "nanogpt-bf16": ("nanogpt", "train.py", ["config/corpus.py"], False),
-    "nanogpt-fp16-scaler": ("nanogpt", "train.py", ["config/corpus_fp16.py"], False),
-    "nanogpt-fp16-deprecated-scaler": ("nanogpt", "train.py", ["config/corpus_fp16.py", "--scaler_api=cuda"], False),
-    "gqa-fp32": (".", "gqa_decoder.py", ["--dtype", "float32"], False),
-    "gqa-bf16": (".", "gqa_decoder.py", ["--dtype", "bfloat16"], False),
-    "gqa-bf16-mask": (".", "gqa_decoder.py", ["--dtype", "bfloat16", "--attention-mask"], False),
-    "hf-trainer": (".", "hf_trainer.py", [], False),
-    "lightning": (".", "lightning_gpt.py", [], False),
-    "vision-reference": (".", "vision_reference.py", ["--amp", "--channels-last", "--model-ema"], True),
-    "peft-lora": (".", "peft_lora.py", [], False),
-    "cuda-api-bf16": (".", "cuda_api_probe.py", [], False),
-    "cuda-api-fp16": (".", "cuda_api_probe.py", ["--dtype", "float16"], False),
-    "accelerate-clm": (".", "accelerate_clm.py", [], False),
-    "ddp-classifier": (".", "ddp_classifier.py", [], False),
-    "fsdp2-llama": (".", "fsdp2_llama.py", ["--activation-checkpointing"], False),
-    "wgan-gp": (".", "wgan_gp.py", [], False),
-    "dcgan": (".", "dcgan.py", ["--batchSize", "256"], False),
-    "prefetch-classifier": (".", "prefetch_classifier.py", [], False),
-    "cuda-conveniences": (".", "cuda_conveniences.py", [], False),
-    "half-einsum": (".", "half_einsum.py", [], False),
-    "compiled-step": (".", "compiled_step.py", [], False),
-    "t5-adafactor": (".", "t5_adafactor.py", [], False),
-    "legacy-amp-reentrant": (".", "legacy_amp_reentrant.py", [], False),
-    "unet-segmentation": (".", "unet_segmentation.py", [], False),
-    "nn-transformer": (".", "nn_transformer.py", [], False),
-    "maskrcnn-detection": (".", "maskrcnn_detection.py", [], True),
-    "deeplab-segmentation": (".", "deeplab_segmentation.py", [], True),
-    "convnext-mixup": (".", "convnext_mixup.py", [], True),
-    "r3d-video": (".", "r3d_video.py", [], True),
-    "flex-attention-docs": (".", "flex_attention_docs.py", [], False),
-    "cuda-graph-step": (".", "cuda_graph_step.py", [], False),
-    "dpsgd-func": (".", "dpsgd_func.py", [], False),
-    "hf-qwen2-packed": (".", "hf_qwen2_packed.py", [], False),
-    "bf16-rope-decoder": (".", "bf16_rope_decoder.py", [], False),
-    "maml-second-order": (".", "maml_second_order.py", [], False),
-    "lstm-lm": (".", "lstm_lm.py", [], False),
-    "moco-clip": (".", "moco_clip.py", [], False),
-    "audio-cnn": (".", "audio_cnn.py", [], False),
-    "gnn-recsys": (".", "gnn_recsys.py", [], False),
-    "diffusion-finetune": (".", "diffusion_finetune.py", [], False),
-    "ppo-agent": (".", "ppo_agent.py", [], False),
-    "simclr-lars": (".", "simclr_lars.py", [], False),
-    "seq2seq-noam": (".", "seq2seq_noam.py", ["--updates", "6"], False),
-    "dcgan-specnorm": (".", "dcgan_specnorm.py", [], False),
-    "moe-router": (".", "moe_router.py", [], False),
-    "leak-checkpoint-sequential": (".", "leak_checkpoint_sequential.py", [], False),
-    "dqn-tutorial": (".", "dqn_tutorial.py", [], False),
-    "vae-examples": (".", "vae_examples.py", [], False),
-    "sparse-recsys": (".", "sparse_recsys.py", [], False),
-    "mamba-scan": (".", "mamba_scan.py", [], False),
-    "ctc-speech": (".", "ctc_speech.py", [], False),
-    "distill-vit": (".", "distill_vit.py", [], False),
-    "mae-pretrain": (".", "mae_pretrain.py", [], False),
-    "nerf-pytorch": (".", "nerf_pytorch.py", [], False),
-    "fno-darcy": (".", "fno_darcy.py", [], False),
-    "yolo-detect": (".", "yolo_detect.py", [], False),
-    "vqvae-ema": (".", "vqvae_ema.py", [], False),
-    "ddpm-unet": (".", "ddpm_unet.py", [], False),
-    "fairseq-tokens": (".", "fairseq_tokens.py", [], False),
-    "qat-resnet": (".", "qat_resnet.py", [], False),
-    "megatron-fused": (".", "megatron_fused.py", [], False),
-    "word-lm-transformer": (".", "word_language_model.py", [], False),
-    "word-lm-lstm": (".", "word_language_model.py", ["--model", "LSTM", "--nhid", "1024", "--nlayers", "2"], False),
+#: name -> (directory under benchmarks/scripts, script, its arguments, the packages it needs besides torch's own)
+CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
+    "nanogpt-bf16": ("nanogpt", "train.py", ["config/corpus.py"], ()),
+    "nanogpt-fp16-scaler": ("nanogpt", "train.py", ["config/corpus_fp16.py"], ()),
+    "nanogpt-fp16-deprecated-scaler": ("nanogpt", "train.py", ["config/corpus_fp16.py", "--scaler_api=cuda"], ()),
+    "gqa-fp32": (".", "gqa_decoder.py", ["--dtype", "float32"], ()),
+    "gqa-bf16": (".", "gqa_decoder.py", ["--dtype", "bfloat16"], ()),
+    "gqa-bf16-mask": (".", "gqa_decoder.py", ["--dtype", "bfloat16", "--attention-mask"], ()),
+    "hf-trainer": (".", "hf_trainer.py", [], ()),
+    "lightning": (".", "lightning_gpt.py", [], ()),
+    "vision-reference": (".", "vision_reference.py", ["--amp", "--channels-last", "--model-ema"], VISION),
+    "peft-lora": (".", "peft_lora.py", [], ()),
+    "cuda-api-bf16": (".", "cuda_api_probe.py", [], ()),
+    "cuda-api-fp16": (".", "cuda_api_probe.py", ["--dtype", "float16"], ()),
+    "accelerate-clm": (".", "accelerate_clm.py", [], ()),
+    "ddp-classifier": (".", "ddp_classifier.py", [], ()),
+    "fsdp2-llama": (".", "fsdp2_llama.py", ["--activation-checkpointing"], ()),
+    "wgan-gp": (".", "wgan_gp.py", [], ()),
+    "dcgan": (".", "dcgan.py", ["--batchSize", "256"], ()),
+    "prefetch-classifier": (".", "prefetch_classifier.py", [], ()),
+    "cuda-conveniences": (".", "cuda_conveniences.py", [], ()),
+    "half-einsum": (".", "half_einsum.py", [], ()),
+    "compiled-step": (".", "compiled_step.py", [], ()),
+    "t5-adafactor": (".", "t5_adafactor.py", [], ()),
+    "legacy-amp-reentrant": (".", "legacy_amp_reentrant.py", [], ()),
+    "unet-segmentation": (".", "unet_segmentation.py", [], ()),
+    "nn-transformer": (".", "nn_transformer.py", [], ()),
+    "maskrcnn-detection": (".", "maskrcnn_detection.py", [], VISION),
+    "deeplab-segmentation": (".", "deeplab_segmentation.py", [], VISION),
+    "convnext-mixup": (".", "convnext_mixup.py", [], VISION),
+    "r3d-video": (".", "r3d_video.py", [], VISION),
+    "flex-attention-docs": (".", "flex_attention_docs.py", [], ()),
+    "cuda-graph-step": (".", "cuda_graph_step.py", [], ()),
+    "dpsgd-func": (".", "dpsgd_func.py", [], ()),
+    "hf-qwen2-packed": (".", "hf_qwen2_packed.py", [], ()),
+    "bf16-rope-decoder": (".", "bf16_rope_decoder.py", [], ()),
+    "maml-second-order": (".", "maml_second_order.py", [], ()),
+    "lstm-lm": (".", "lstm_lm.py", [], ()),
+    "moco-clip": (".", "moco_clip.py", [], ()),
+    "audio-cnn": (".", "audio_cnn.py", [], ()),
+    "gnn-recsys": (".", "gnn_recsys.py", [], ()),
+    "diffusion-finetune": (".", "diffusion_finetune.py", [], ()),
+    "ppo-agent": (".", "ppo_agent.py", [], ()),
+    "simclr-lars": (".", "simclr_lars.py", [], ()),
+    "seq2seq-noam": (".", "seq2seq_noam.py", ["--updates", "6"], ()),
+    "dcgan-specnorm": (".", "dcgan_specnorm.py", [], ()),
+    "moe-router": (".", "moe_router.py", [], ()),
+    "leak-checkpoint-sequential": (".", "leak_checkpoint_sequential.py", [], ()),
+    "dqn-tutorial": (".", "dqn_tutorial.py", [], ()),
+    "vae-examples": (".", "vae_examples.py", [], ()),
+    "sparse-recsys": (".", "sparse_recsys.py", [], ()),
+    "mamba-scan": (".", "mamba_scan.py", [], ()),
+    "ctc-speech": (".", "ctc_speech.py", [], ()),
+    "distill-vit": (".", "distill_vit.py", [], ()),
+    "mae-pretrain": (".", "mae_pretrain.py", [], ()),
+    "nerf-pytorch": (".", "nerf_pytorch.py", [], ()),
+    "fno-darcy": (".", "fno_darcy.py", [], ()),
+    "yolo-detect": (".", "yolo_detect.py", [], ()),
+    "vqvae-ema": (".", "vqvae_ema.py", [], ()),
+    "ddpm-unet": (".", "ddpm_unet.py", [], ()),
+    "fairseq-tokens": (".", "fairseq_tokens.py", [], ()),
+    "qat-resnet": (".", "qat_resnet.py", [], ()),
+    "megatron-fused": (".", "megatron_fused.py", [], ()),
+    "word-lm-transformer": (".", "word_language_model.py", [], ()),
+    "word-lm-lstm": (".", "word_language_model.py", ["--model", "LSTM", "--nhid", "1024", "--nlayers", "2"], ()),
+    "timm-vit": (".", "timm_train.py", [], ("timm", "torchvision")),
+    "triton-fused": (".", "triton_fused.py", [], ("triton",)),
 }
+
+
+def installed(name: str) -> bool:
+    """Whether the packages entry ``name`` needs are installed here."""
+    return all(importlib.util.find_spec(p) is not None for p in CORPUS[name][3])
 
 
 def command(name: str, out: Path, target: str | None, steps: int) -> tuple[list[str], Path]:
@@ -126,8 +135,8 @@ def run_all(args: argparse.Namespace, target: str | None) -> None:
     if args.no_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     names = [n for n in CORPUS if not args.only or n in args.only]
-    if args.skip_vision:
-        names = [n for n in names if not CORPUS[n][3]]
+    if args.skip_missing:
+        names = [n for n in names if installed(n)]
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = list(pool.map(lambda n: run_one(n, out, target, args.steps, env), names))
     for r in runs:
@@ -191,7 +200,8 @@ def main() -> None:
         q.add_argument("--steps", type=int, default=3)
         q.add_argument("--jobs", type=int, default=1, help="scripts run at once")
         q.add_argument("--only", nargs="*", default=None)
-        q.add_argument("--skip-vision", action="store_true", help="leave out the scripts that need torchvision")
+        q.add_argument("--skip-missing", "--skip-vision", dest="skip_missing", action="store_true",
+                       help="leave out the scripts whose packages (torchvision, timm, triton) are not installed here")
         q.add_argument("--no-gpu", action="store_true", help="hide the GPUs (CUDA_VISIBLE_DEVICES=)")
         if cmd == "simulate":
             q.add_argument("--target", default="h200")

@@ -23,11 +23,21 @@ import torch
 
 from .devices import GPU
 
-__all__ = ["CudaRuntime", "LEGACY_TYPES", "TENSOR_API", "legacy_type"]
+__all__ = ["CudaRuntime", "Generator", "LEGACY_TYPES", "TENSOR_API", "legacy_type"]
 
 log = logging.getLogger(__name__)
 
 _CUDA0 = torch.device("cuda", 0)
+
+
+class Generator(torch.Generator):
+    """``torch.Generator(device="cuda")`` (timm's ModelEmaV3, a script seeding its own GPU
+    stream of numbers): a host generator, which the simulated device's random operators
+    take as a GPU's would (they make no values)."""
+
+    def __new__(cls, device: Any = "cpu"):
+        device = torch.device(device) if isinstance(device, (str, int)) else device
+        return super().__new__(cls, "cpu" if device is not None and device.type == "cuda" else device)
 
 
 class CudaRuntime:
@@ -80,6 +90,7 @@ class CudaRuntime:
             "set_rng_state": lambda state, device="cuda": None,
             "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8, device="cpu")],
             "set_rng_state_all": lambda states: None,
+            "default_generators": (torch.Generator(),),
             "device": _NoDevice,
             "device_of": _NoDevice,
             "Stream": _Stream,

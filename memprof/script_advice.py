@@ -333,6 +333,8 @@ class ScriptFacts:
     #: Other optimizers that step over parameters outside the model (a GAN's other model):
     #: "Adam over 3.58 M parameters". The plans are for the model alone.
     also_trains: list[str] = field(default_factory=list)
+    #: The model's own switch for activation checkpointing, as a call (Hugging Face's, timm's), or "".
+    checkpointing_switch: str = ""
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, **facts: Any) -> "ScriptFacts":
@@ -350,7 +352,7 @@ class ScriptFacts:
             counts[_dtype(p.dtype)] = counts.get(_dtype(p.dtype), 0) + p.numel()
             frozen += 0 if p.requires_grad else p.numel()
         return cls(optimizer=type(optimizer).__name__ if optimizer is not None else "none", implementation=impl,
-                   parameters=counts, frozen=frozen, **facts)
+                   parameters=counts, frozen=frozen, checkpointing_switch=_checkpointing_switch(model), **facts)
 
     @property
     def batch_size(self) -> int | None:
@@ -375,6 +377,17 @@ class ScriptFacts:
             out.append(f"also trains: {', '.join(self.also_trains)}, outside the model (the plans are for the model "
                        "alone; the other's memory counts as temporaries)")
         return out
+
+
+def _checkpointing_switch(model: nn.Module) -> str:
+    """How ``model`` turns activation checkpointing on itself: Hugging Face's
+    ``PreTrainedModel.gradient_checkpointing_enable`` (where the model supports it), timm's
+    ``set_grad_checkpointing`` (every timm model has it; the ones that cannot raise)."""
+    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
+        return "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
+    if callable(getattr(model, "set_grad_checkpointing", None)):
+        return "model.set_grad_checkpointing(True)"
+    return ""
 
 
 def tensor_shapes(named: dict[str, Any]) -> dict[str, tuple[list[int], str]]:

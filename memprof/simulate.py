@@ -513,11 +513,16 @@ class SimulatedAllocator(TorchDispatchMode):
         if "backward" in func.name():
             flops = flops * 5 // 2
         nbytes = sum(t.numel() * t.element_size() for t in (*tensors(args[:7]), *tensors(out)))
+        self.kernel(flops, nbytes, q.dtype, ATTENTION)
+        return out
+
+    def kernel(self, flops: int, nbytes: int, dtype: torch.dtype | None, kind: int) -> None:
+        """A kernel no operator of PyTorch's runs (a fused higher-order operator's, a script's
+        own Triton kernel): the host's time to issue it and the device's to run it."""
         backward = torch._C._current_graph_task_id() != -1
         host = self.time_model.host_seconds(False, backward, backward and torch.is_grad_enabled())
         self.host += host
-        self._launch(flops, nbytes, q.dtype, False, False, ATTENTION, [], host)
-        return out
+        self._launch(flops, nbytes, dtype, False, False, kind, [], host)
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:

@@ -272,6 +272,12 @@ class Values(TorchDispatchMode):
         self._keep(t, torch.full(t.shape, value, dtype=t.dtype, device=_CPU))
         return True
 
+    def forget(self, t: torch.Tensor) -> None:
+        """``t``'s values are no longer known: written where the simulation does not see."""
+        key = weakref.ref(t.untyped_storage())
+        self._shadows.pop(key, None)
+        self._constants.pop(key, None)
+
     def _forget_constant(self, key: weakref.ref) -> None:
         self._constants.pop(key, None)
 

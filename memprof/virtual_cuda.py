@@ -16,6 +16,8 @@ and any model size fits. The script sees the target GPU wherever it looks:
   ``memory_stats``), streams and events that time with the simulated clock,
   seeds, synchronisation and graph-capture checks that do nothing; on a
   CPU-only build and on a CUDA build with no visible GPU alike;
+  ``torch.Generator(device="cuda")`` is a host generator;
+* the script's own Triton kernels are launched, not run (``memprof.triton_kernels``);
 * pinned host memory (``pin_memory()``, ``pin_memory=True``, a DataLoader's
   pinning thread) is plain host memory, which costs the device nothing;
 * CUDA autocast's op policy is applied (``memprof.autocast_policy``), since
@@ -54,9 +56,10 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .autocast_policy import TORCHVISION_FP32, AutocastPolicy, cross_entropy_loss
-from .cuda_api import LEGACY_TYPES, TENSOR_API, CudaRuntime, legacy_type
+from .cuda_api import LEGACY_TYPES, TENSOR_API, CudaRuntime, Generator, legacy_type
 from .devices import GPU, get_gpu
 from .sdpa import Environment
+from .triton_kernels import triton_launches
 from .values import Values, _note
 
 __all__ = ["VirtualCUDA", "current"]
@@ -549,6 +552,8 @@ class VirtualCUDA:
             stack.enter_context(
                 _replace(torch, "get_default_device", lambda: _CUDA0 if get_default().type == "meta" else get_default())
             )
+            stack.enter_context(_replace(torch, "Generator", Generator))
+            stack.enter_context(triton_launches(self.gpu, self.allocator, self.values, self._note))
             stack.enter_context(_replace(torch, "compile", self._compile))
             stack.enter_context(_replace(torch.nn.Module, "compile", _module_compile(self)))
             stack.enter_context(_replace(torch, "save", self._save))

@@ -163,4 +163,7 @@ class Checkpointing(Strategy):
             name = _hf_checkpointing_argument()
             return (f"TrainingArguments({name}=True, {name}_kwargs={{'use_reentrant': False}}) "
                     f"(a model without Hugging Face's support for it: {wrap} before training)")
+        switch = getattr(facts, "checkpointing_switch", "")
+        if switch and not self.selective:
+            return f"checkpoint each repeated block with the model's own switch: `{switch}` (or by hand: {wrap})"
         return f"checkpoint each repeated block: {wrap} (Hugging Face: model.gradient_checkpointing_enable())"

@@ -10,7 +10,6 @@ the suite stays quick; the code paths are the scripts' own.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from corpus import CORPUS, SCRIPTS  # noqa: E402
+from corpus import CORPUS, SCRIPTS, installed  # noqa: E402
 
 #: Small sizes for each entry (the script's own options; none: the short scripts with fixed sizes).
 SMALL = {
@@ -46,10 +45,12 @@ SMALL = {
                    "--n-critic", "2"],
     # 16 samples, as many as the generator's third batch norm has channels
     "dcgan.py": ["--batchSize", "16", "--ngf", "8", "--ndf", "8", "--batches", "8"],
+    "timm_train.py": ["--model", "vit_tiny_patch16_224", "--batch-size", "4", "--num-classes", "10"],
+    "triton_fused.py": ["--n-layer", "2", "--n-embd", "128", "--n-head", "4", "--block-size", "64", "--batch-size", "2",
+                        "--vocab-size", "1024"],
     "prefetch_classifier.py": ["--batch-size", "8", "--image-size", "32", "--width", "8", "--num-classes", "10",
                                "--samples", "256"],
 }
-HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 
 def _args(name: str) -> tuple[Path, str, list[str]]:
@@ -75,8 +76,9 @@ def _run(command: str, name: str, tmp_path: Path, *options: str, extra: tuple[st
 
 
 def _needs(name: str) -> None:
-    if CORPUS[name][3] and not HAS_TORCHVISION:
-        pytest.skip("torchvision is not installed with this torch (the CI runs it with a CUDA build of torch)")
+    if not installed(name):
+        pytest.skip(f"{', '.join(CORPUS[name][3])} not installed with this torch (the CI runs it with a CUDA build "
+                    "of torch)")
 
 
 @pytest.mark.parametrize("name", list(CORPUS))

@@ -226,6 +226,20 @@ def test_legacy_cuda_tensor_types():
     assert torch.cuda.FloatTensor is original and torch.Tensor.type is torch._C.TensorBase.type
 
 
+def test_cuda_generators():
+    """``torch.Generator(device="cuda")`` (timm's ModelEmaV3) and ``torch.cuda.default_generators``
+    (Megatron's RNG tracker): host generators that the simulated device's random operators take."""
+    with VirtualCUDA("h100"):
+        g = torch.Generator(device="cuda")
+        assert isinstance(g, torch.Generator) and g.manual_seed(7).initial_seed() == 7
+        x = torch.randn(8, 4, device="cuda", generator=g)
+        assert x.is_cuda and x.shape == (8, 4)
+        assert torch.cuda.default_generators[0].manual_seed(3).initial_seed() == 3
+        assert torch.randperm(4, generator=torch.Generator().manual_seed(0)).tolist() == \
+            torch.randperm(4, generator=torch.Generator("cpu").manual_seed(0)).tolist()
+    assert torch.Generator is torch._C.Generator
+
+
 def test_a_memory_snapshot_of_the_simulated_allocator(tmp_path):
     """torch.cuda.memory's snapshot calls, as memory debugging makes them (the CPU build has no
     ``_cuda_record_memory_history``): the simulated allocator's segments and blocks."""

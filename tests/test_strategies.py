@@ -291,6 +291,26 @@ def test_checkpointing_turns_off_a_hugging_face_kv_cache():
     w.step()
 
 
+def test_checkpointing_names_the_models_own_switch():
+    """The code change names the model's own switch where it has one (timm's, Hugging Face's)."""
+    from memprof.script_advice import ScriptFacts
+
+    class TimmStyle(nn.Sequential):  # every timm model has set_grad_checkpointing
+        def set_grad_checkpointing(self, enable: bool = True) -> None:
+            self.grad_checkpointing = enable
+
+    timm_like, plain = TimmStyle(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4))
+    assert ScriptFacts.of(timm_like, None).checkpointing_switch == "model.set_grad_checkpointing(True)"
+    assert ScriptFacts.of(plain, None).checkpointing_switch == ""
+    change = Checkpointing().code_change(ScriptFacts.of(timm_like, None))
+    assert change.startswith("checkpoint each repeated block with the model's own switch: "
+                             "`model.set_grad_checkpointing(True)` (or by hand: `block.forward = ")
+    assert "own switch" not in Checkpointing().code_change(ScriptFacts.of(plain, None))
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    assert ScriptFacts.of(gpt2, None).checkpointing_switch.startswith("model.gradient_checkpointing_enable(")
+
+
 def test_checkpointing_explicit_blocks():
     w = transformer_workload()
     s = Checkpointing(blocks=["layers.1"])
