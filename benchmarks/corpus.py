@@ -104,6 +104,10 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "word-lm-lstm": (".", "word_language_model.py", ["--model", "LSTM", "--nhid", "1024", "--nlayers", "2"], ()),
     "timm-vit": (".", "timm_train.py", [], ("timm", "torchvision")),
     "triton-fused": (".", "triton_fused.py", [], ("triton",)),
+    "dpo-pairs": (".", "dpo_pairs.py", [], ()),
+    "generate-then-train": (".", "generate_then_train.py", [], ()),
+    "offload-activations": (".", "offload_activations.py", [], ()),
+    "hifigan-gan": (".", "hifigan_gan.py", [], ()),
 }
 
 

@@ -47,7 +47,7 @@ from .report import Report
 from .manual_steps import GradientWatch
 from .tracker import Tracker, _uncompiled, track
 
-__all__ = ["ScriptError", "observe_script"]
+__all__ = ["ScriptError", "observe_script", "raised"]
 
 log = logging.getLogger(__name__)
 
@@ -437,6 +437,12 @@ def _where(exc: BaseException, script: Path) -> str:
     return f" (at {script.name} line {frames[-1].lineno})" if frames else ""
 
 
+def raised(exc: BaseException, script: str | os.PathLike) -> str:
+    """'the script raised AssertionError (at train.py line 73)': its message where it has one."""
+    said = f": {exc}" if str(exc) else ""
+    return f"the script raised {type(exc).__name__}{said}{_where(exc, Path(script).resolve())}"
+
+
 def observe_script(
     path: str | os.PathLike,
     args: Sequence[str] = (),
@@ -574,7 +580,7 @@ def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outco
                 f"{outcome}; `memprof advise` with this GPU as the budget simulates what each plan needs and which fit")
         raise ScriptError(f"the script ran out of memory on {gpu}{where} {when}; {said}", report) from outcome
     if failed:
-        what = f"the script raised {type(outcome).__name__}: {outcome}{_where(outcome, Path(path).resolve())}"
+        what = raised(outcome, path)
         if report is None:
             raise ScriptError(f"{what}; memprof could not observe a training step") from outcome
         raise ScriptError(f"{what} after {done} of {steps} tracked steps", report) from outcome

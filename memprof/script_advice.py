@@ -49,7 +49,7 @@ from .advisor import Advice, PlanFactory, _adjusted, _progress, _spread, _step_v
 from .hooks import Shared
 from .devices import GPU, get_gpu
 from .report import Report
-from .runner import ScriptError, observe_script
+from .runner import ScriptError, observe_script, raised
 from .simulate import _HALF
 from .workload import Workload
 
@@ -217,7 +217,11 @@ class _MicroBatchCut(TorchFunctionMode):
     cut output against targets a prefetcher copied during the step before:
     timm's ``PrefetchLoader``, apex's ``data_prefetcher``).
     Inside the forward nothing else is cut: the model's own tensors of that
-    size (positions when the sequence is as long as the batch) are not samples."""
+    size (positions when the sequence is as long as the batch) are not samples.
+    A copy to the device of a half, third or quarter of the batch is cut too:
+    the parts a script joins on the device into the model's batch (DPO's chosen
+    and rejected answers, SimCLR's two views), so each part gives the
+    micro-batch its share."""
 
     def __init__(self, k: int, batch: int | None, script_micro_batches: int = 1) -> None:
         super().__init__()
@@ -225,10 +229,11 @@ class _MicroBatchCut(TorchFunctionMode):
         self.batch = batch
         self.sizes = {n for n in (batch, batch * script_micro_batches if batch else None) if n and n % k == 0}
         self._parts = {n // k for n in self.sizes}
+        self._joined = self.sizes | {batch // m for m in (2, 3, 4) if batch and batch % m == 0 and batch // m % k == 0}
         self._in_model = 0
 
-    def _cut(self, t: Any, device_only: bool = True) -> Any:
-        if (isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] in self.sizes
+    def _cut(self, t: Any, device_only: bool = True, sizes: set[int] | None = None) -> Any:
+        if (isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] in (sizes or self.sizes)
                 and not (device_only and t.device.type == "cpu")):
             return t[: t.shape[0] // self.k]
         return t
@@ -243,7 +248,7 @@ class _MicroBatchCut(TorchFunctionMode):
         if self._in_model or func not in _CUT_AT:  # the model's operators: as fast as can be
             return out
         if func in _TO_DEVICE and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
-            if self._cut(out) is not out:  # copied whole to the device: copy the part instead
+            if self._cut(out, sizes=self._joined) is not out:  # copied whole to the device: copy the part instead
                 return func(args[0][: args[0].shape[0] // self.k], *args[1:], **kwargs)
         elif func in _FACTORIES:
             part = self._cut(out)
@@ -443,9 +448,13 @@ class _Watch:
             self._handles += [m.register_forward_pre_hook(Shared(self._on_entry), with_kwargs=True),
                               m.register_forward_hook(Shared(self._on_entry_end), always_call=True)]
         self._optimizers = weakref.WeakSet([opt] if opt is not None else [])
+        self._optimizer = weakref.ref(opt) if opt is not None else None
         # Backward passes that reach the model, counted at one of its parameters: the micro-batches
         # of a step (NeRF calls its network once per chunk of rays, with one backward for all).
-        self.backwards = 0
+        # Those since any optimizer's last step are the ones the model's step takes: a GAN's
+        # generator step also runs backward through the discriminator, whose gradients the
+        # next discriminator step's zero_grad throws away.
+        self.backwards, self._pending, self._per_step = 0, 0, []
         first = next((p for p in model.parameters() if p.requires_grad), None)
         if first is not None:
             self._handles.append(first.register_post_accumulate_grad_hook(Shared(self._on_backward)))
@@ -489,6 +498,9 @@ class _Watch:
             self.recomputed[name] = None
 
     def _on_optimizer(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        if self._optimizer is not None and opt is self._optimizer() and self._handles:
+            self._per_step.append(self._pending)
+        self._pending = 0
         if opt in self._optimizers:
             return
         self._optimizers.add(opt)
@@ -501,6 +513,7 @@ class _Watch:
     def _on_backward(self, p: torch.Tensor) -> None:
         if self._handles:  # not once closed
             self.backwards += 1
+            self._pending += 1
 
     def _autocast(self) -> None:
         if self.facts.autocast is None and torch.is_autocast_enabled("cuda"):
@@ -513,7 +526,9 @@ class _Watch:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.facts.micro_batches = max((self.backwards or self.forwards) // max(self.steps, 1), 1)
+        counts = [n for n in self._per_step if n]  # the most common count (a first step may be seen in part)
+        counted = max(counts, key=lambda n: (counts.count(n), n)) if counts else 0
+        self.facts.micro_batches = max(counted or (self.backwards or self.forwards) // max(self.steps, 1), 1)
         self.facts.checkpointed = self._checkpointed()
         return self.facts
 
@@ -858,7 +873,7 @@ def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> 
                 schedule.end_run(None)
                 raise  # the script as it is cannot be observed: nothing to advise on
             cause = exc.__cause__
-            schedule.fail(f"the script raised {type(cause).__name__}: {cause}" if cause is not None else str(exc))
+            schedule.fail(raised(cause, path) if cause is not None else str(exc))
             schedule.end_run(exc.report)
             report = exc.report
         else:

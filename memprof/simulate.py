@@ -38,6 +38,7 @@ from .devices import GPU, get_gpu
 from .meta_kernels import PLAIN_TENSORS, KernelCache
 from .reductions import REDUCTIONS, staging_bytes
 from .report import Report
+from .softmax import SOFTMAXES, softmax_copies
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
 
@@ -458,7 +459,13 @@ class SimulatedAllocator(TorchDispatchMode):
             self._transient(staging.pieces, staging.accumulation)
         if copies:  # taken for the kernel's run, all at once
             self._transient([tuple(copies)])
+        if func in SOFTMAXES and args[0].is_meta:
+            self._transient([softmax_copies(func, args)])
         if cost is None:  # the host's own work (a data pipeline): no simulated time
+            return out
+        uploaded = _uploaded(func, args, kwargs)
+        if uploaded is not None:  # from the host: over the link, not a kernel
+            self.transfer(uploaded[0], self.gpu.pcie_bandwidth, synchronize=not uploaded[1])
             return out
         flops, nbytes, dtype, conv, kernel, kind = cost
         # The engine runs with grad mode off; checkpointing's recomputation turns it on to
@@ -523,6 +530,21 @@ class SimulatedAllocator(TorchDispatchMode):
         host = self.time_model.host_seconds(False, backward, backward and torch.is_grad_enabled())
         self.host += host
         self._launch(flops, nbytes, dtype, False, False, kind, [], host)
+
+
+def _uploaded(func, args: tuple, kwargs: dict) -> tuple[int, bool] | None:
+    """A copy from the host to the device (``x.to("cuda")``, ``gpu.copy_(host)``): its bytes and
+    whether it is ``non_blocking``; else None. (Copies to the host never reach this mode:
+    memprof.values answers them.)"""
+    if func is _TO_COPY and not args[0].is_meta:
+        return args[0].numel() * args[0].element_size(), bool(kwargs.get("non_blocking", False))
+    if func is _COPY and not args[1].is_meta and args[0].is_meta:
+        return args[1].numel() * args[1].element_size(), bool(args[2] if len(args) > 2 else
+                                                               kwargs.get("non_blocking", False))
+    return None
+
+
+_TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -628,6 +650,8 @@ def _cost(func, args: tuple, kwargs: dict, out: Any):
     if getattr(func, "is_view", False) or func.__name__.split(".")[0] in _NO_KERNEL:
         return 0, 0, None, False, False, OTHER
     nbytes = sum(t.numel() * t.element_size() for t in (*ins, *outs))
+    if func in SOFTMAXES:  # its copies (memprof.softmax), each written and read once more
+        nbytes += 2 * sum(softmax_copies(func, args))
     dtype = next((t.dtype for t in ins if t.is_floating_point()), None)
     kind, flops = _kernel_kind(func, args), _flops(func, args, kwargs, out)
     if kind == ATTENTION:

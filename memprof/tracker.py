@@ -1056,6 +1056,7 @@ class Tracker:
             return packed.detach() if packed is t else packed
 
         unpack = unpack_inner if unpack_inner is not None else _identity
+        pack.memprof_own = True  # it makes no tensors of the device's (virtual_cuda._in_mode)
         self._chained = inner is not None
         self._saved_hooks = saved_tensors_hooks(pack, unpack)
         self._saved_hooks.__enter__()
@@ -1464,6 +1465,9 @@ class Tracker:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+_identity.memprof_own = True
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:

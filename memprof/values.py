@@ -88,12 +88,15 @@ class Values(TorchDispatchMode):
         # simulation (see SimulatedAllocator._should_skip_dynamo).
         return False
 
-    def __init__(self, limit: int = LIMIT, synchronize: Callable[[int], None] | None = None) -> None:
+    def __init__(self, limit: int = LIMIT, synchronize: Callable[[int], None] | None = None,
+                 read_back: Callable[[int, bool], None] | None = None) -> None:
         super().__init__()
         self.limit = limit
         #: Called with the bytes read back where CUDA's kernel makes the host wait for a size
         #: it computed (``nonzero``, ``x[mask]``, ``unique``): the simulated clocks meet there.
         self.synchronize = synchronize
+        #: Called with the bytes a copy from the device to the host moves, and whether the host waits.
+        self.read_back = read_back
         self._shadows: dict[weakref.ref, torch.UntypedStorage] = {}
         # Truth tensors too large for a shadow whose every element is known (Values.assume).
         self._constants: dict[weakref.ref, bool] = {}
@@ -107,6 +110,17 @@ class Values(TorchDispatchMode):
         if storage is None:
             return None
         return torch.empty(0, dtype=t.dtype, device=_CPU).set_(storage, t.storage_offset(), t.size(), t.stride())
+
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of the meta tensor ``t``: its values where known, else ones where small,
+        else an uninitialised tensor (what an activation offloaded to the host becomes: no device
+        memory, and no host memory until its pages are touched)."""
+        known = self.shadow(t)
+        if known is not None:
+            return known.clone()
+        if t.numel() * t.element_size() <= MADE_UP_LIMIT:
+            return torch.ones(t.shape, dtype=t.dtype, device=_CPU)
+        return torch.empty(t.shape, dtype=t.dtype, device=_CPU)
 
     #: Higher-order operators (flex attention) pass through to the modes below.
     supports_higher_order_operators = True
@@ -123,6 +137,7 @@ class Values(TorchDispatchMode):
         return out
 
     def _follow(self, func, args: tuple, kwargs: dict):
+        kwargs = _host(kwargs)  # C++'s own calls, below the torch-function mode that strips it too
         flat = list(leaves(args, kwargs))
         metas = [a for a in flat if isinstance(a, torch.Tensor) and a.is_meta]
         on_meta = metas or any(a == _META for a in flat if isinstance(a, torch.device))
@@ -134,10 +149,16 @@ class Values(TorchDispatchMode):
             return sparse(*args, **kwargs) if sparse is not None else func(*args, **kwargs)
         if func is torch.ops.aten.copy_.default and not args[0].is_meta:
             # A copy to the host (``host.copy_(x)`` in Python, DDP's reducer reading back the
-            # bucket order it broadcast in C++): the source's values where known, else the host
-            # tensor is left as it is.
+            # bucket order it broadcast in C++, an activation offloaded to a pinned buffer): the
+            # source's values where known, else the host tensor is left as it is.
+            self._copied_to_host(args[1], args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
             known = self.shadow(args[1])
             return args[0] if known is None else args[0].copy_(known)
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device") == _CPU:
+            # x.to("cpu") from C++ or from a hook the torch-function mode does not see.
+            self._copied_to_host(args[0], kwargs.get("non_blocking", False))
+            copy = self.host_copy(args[0])
+            return copy if kwargs.get("dtype") is None else copy.to(kwargs["dtype"])
         if func in _UNINITIALISED:
             return func(*args, **kwargs)  # no values to follow: its memory is whatever was there
         if func in _NO_META:
@@ -157,7 +178,7 @@ class Values(TorchDispatchMode):
             host = torch.zeros(args[0].shape, dtype=args[0].dtype, device=_CPU)
             self._keep(out, func(host, *map_leaves(self._cpu, args[1:]), **_host(map_leaves(self._cpu, kwargs))))
             return out
-        if not known and name in _SPREAD and func._overloadname in ("default", "dim"):
+        if not known and name in _SPREAD and func._overloadname in _SPREAD[name]:
             out = func(*args, **kwargs)
             indices = out if isinstance(out, torch.Tensor) else out[1]
             if indices.dtype is torch.long and _whole(indices, self.limit):
@@ -278,6 +299,10 @@ class Values(TorchDispatchMode):
         self._shadows.pop(key, None)
         self._constants.pop(key, None)
 
+    def _copied_to_host(self, t: torch.Tensor, non_blocking: bool) -> None:
+        if self.read_back is not None:
+            self.read_back(t.numel() * t.element_size(), not non_blocking)
+
     def _forget_constant(self, key: weakref.ref) -> None:
         self._constants.pop(key, None)
 
@@ -340,6 +365,10 @@ def _op(func) -> tuple[str, bool]:
 _OPS: dict[Any, tuple[str, bool]] = {}
 
 
+#: Largest host tensor made up (ones) for a copy to the host of a tensor whose values are unknown.
+MADE_UP_LIMIT = 16 << 20
+
+
 def _host(kwargs: dict) -> dict:
     # Page-locked host memory is no device memory, and a host without a GPU cannot pin.
     return {**kwargs, "pin_memory": False} if kwargs.get("pin_memory") else kwargs
@@ -381,7 +410,10 @@ _warned: set[str] = set()
 #: indices are made up where the values are not followed: spread evenly over the dimension, each
 #: row's k distinct. Sized for every token at every expert instead (x[mask] of a routing mask),
 #: a mixture's experts held E / k times their activations (Mixtral: four times).
-_SPREAD = {"aten::topk", "aten::argmax", "aten::argmin", "aten::max", "aten::min"}
+#: Operators whose result is indices, by overload: max and min over every element (their
+#: "default") give a value, which stays unknown (a sampling loop's ``unfinished.max() == 0``).
+_SPREAD = {"aten::topk": ("default",), "aten::argmax": ("default",), "aten::argmin": ("default",),
+           "aten::max": ("dim",), "aten::min": ("dim",)}
 
 
 def _spread(func, args: tuple, kwargs: dict, indices: torch.Tensor) -> torch.Tensor:

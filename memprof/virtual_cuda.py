@@ -40,6 +40,7 @@ installs.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -50,7 +51,7 @@ from types import FunctionType
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack as _function_modes
 from torch.utils import _foreach_utils
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -213,6 +214,22 @@ class _Mode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _in_mode(mode: _Mode, hook: Callable) -> Callable:
+    """A saved-tensors ``hook`` that runs with ``mode`` on; memprof's own (marked ``memprof_own``)
+    as they are: they make no tensors the device would not see."""
+    if getattr(hook, "memprof_own", False):
+        return hook
+
+    @functools.wraps(hook)
+    def in_mode(x: Any) -> Any:
+        if mode in _function_modes():
+            return hook(x)
+        with mode:
+            return hook(x)
+
+    return in_mode
+
+
 class _Joined:
     """``spawn(join=False)``'s context, its one process done."""
 
@@ -302,7 +319,7 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
 
 
 def _to_meta(t: torch.Tensor, device: Any = None, non_blocking: bool = False, memory_format=torch.preserve_format):
-    return torch.Tensor.to(t, "meta", memory_format=memory_format)
+    return torch.Tensor.to(t, "meta", non_blocking=non_blocking, memory_format=memory_format)
 
 
 # Tensors made from Python data: C++ fills a host tensor and moves it to the device with
@@ -344,14 +361,7 @@ def _on_meta(t: Any) -> bool:
 
 
 def _read_back(vc: "VirtualCUDA", t: torch.Tensor, wait: bool = True) -> None:
-    """A device tensor's values go to the host: a copy, which the host waits for unless
-    ``non_blocking``."""
-    nbytes = t.numel() * t.element_size()
-    if not wait:
-        if hasattr(vc.allocator, "transfer"):
-            vc.allocator.transfer(nbytes, vc.gpu.pcie_bandwidth)
-    elif hasattr(vc.allocator, "synchronize"):
-        vc.allocator.synchronize(nbytes)
+    vc.read_back(t.numel() * t.element_size(), wait)
 
 
 def _scalar(vc: "VirtualCUDA", t: torch.Tensor, name: str) -> Any:
@@ -370,19 +380,9 @@ def _scalar(vc: "VirtualCUDA", t: torch.Tensor, name: str) -> Any:
 
 
 def _host_copy(vc: "VirtualCUDA", t: torch.Tensor, wait: bool = True) -> torch.Tensor:
-    """``.cpu()`` / ``.numpy()`` / ``.tolist()`` of a simulated tensor: its values, else ones, else (too large
-    to make up) the meta tensor itself."""
+    """``.cpu()`` / ``.numpy()`` / ``.tolist()`` of a simulated tensor (:meth:`Values.host_copy`)."""
     _read_back(vc, t, wait)
-    known = vc.values.shadow(t)
-    if known is not None:
-        return known.clone()
-    if t.numel() * t.element_size() <= _MADE_UP_LIMIT:
-        return torch.ones(t.shape, dtype=t.dtype, device="cpu")
-    return t
-
-
-#: Largest host tensor made up for ``.cpu()`` of a tensor whose values are unknown.
-_MADE_UP_LIMIT = 16 << 20
+    return vc.values.host_copy(t)
 
 
 def _format(vc: "VirtualCUDA", t: torch.Tensor, spec: str) -> str:
@@ -470,13 +470,22 @@ class VirtualCUDA:
         self.gpu = get_gpu(target)
         self.allocator = allocator
         self.runtime = CudaRuntime(self.gpu, allocator)
-        self.values = Values(synchronize=getattr(allocator, "synchronize", None))
+        self.values = Values(synchronize=getattr(allocator, "synchronize", None), read_back=self.read_back)
         self.sdpa = Environment.of(self.gpu)
         #: What the script asked for that runs differently here (e.g. torch.compile), for the report.
         self.notes: dict[str, str] = {}
         #: What the script saved (torch.save writes nothing here), by path or file object, to load back.
         self._saved: dict[Any, Any] = {}
         self._stack: ExitStack | None = None
+
+    def read_back(self, nbytes: int, wait: bool = True) -> None:
+        """``nbytes`` of the device's go to the host: a copy, which the host waits for unless
+        ``non_blocking`` (``wait=False``)."""
+        if not wait:
+            if hasattr(self.allocator, "transfer"):
+                self.allocator.transfer(nbytes, self.gpu.pcie_bandwidth)
+        elif hasattr(self.allocator, "synchronize"):
+            self.allocator.synchronize(nbytes)
 
     def __enter__(self) -> "VirtualCUDA":
         global _current
@@ -605,6 +614,13 @@ class VirtualCUDA:
                 mode.autocast.clear()
 
             stack.enter_context(_replace(torch, "clear_autocast_cache", clear_autocast_cache))
+            # Autograd calls a saved-tensors pack hook inside the operator that saves, where
+            # the mode is off while it handles that operator: the script's hooks (save_on_cpu,
+            # torchtune's activation offloading) would make host copies with pin_memory=True
+            # and meet no simulated device. They run with the mode on.
+            push = torch._C._autograd._push_saved_tensors_default_hooks
+            stack.enter_context(_replace(torch._C._autograd, "_push_saved_tensors_default_hooks",
+                                         lambda pack, unpack: push(_in_mode(mode, pack), _in_mode(mode, unpack))))
             stack.enter_context(mode)
             _current = self
             stack.callback(_clear_current)

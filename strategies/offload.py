@@ -68,5 +68,6 @@ class ActivationOffload(Strategy):
                 alloc.transfer(out.numel() * out.element_size(), link)
             return out
 
+        pack.memprof_own = unpack.memprof_own = True  # they make their meta tensors themselves (virtual_cuda._in_mode)
         workload.saved_tensors_hooks = lambda: torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         workload.applied.append(self.name)

@@ -284,6 +284,28 @@ def test_the_watch_counts_micro_batches_by_backward():
     assert watch.close().micro_batches == 1
 
 
+def test_the_watch_leaves_out_a_gan_generators_backward_through_the_discriminator():
+    """A GAN's generator step runs backward through the discriminator (the model watched), whose
+    gradients the discriminator's next zero_grad throws away: one micro-batch a step, not two;
+    with zero_grad(set_to_none=False) too. Accumulation over 3 backward passes is 3."""
+    from memprof.script_advice import _Watch
+
+    for set_to_none, k in ((True, 1), (False, 1), (True, 3)):
+        d, g = nn.Linear(4, 1), nn.Linear(2, 4)
+        opt_d, opt_g = torch.optim.Adam(d.parameters()), torch.optim.Adam(g.parameters())
+        watch = _Watch(d, opt_d)
+        for _ in range(3):
+            opt_d.zero_grad(set_to_none=set_to_none)
+            for _ in range(k):
+                (d(torch.randn(8, 4)).mean() - d(g(torch.randn(8, 2)).detach()).mean()).backward()
+            opt_d.step()
+            opt_g.zero_grad(set_to_none=set_to_none)
+            d(g(torch.randn(8, 2))).mean().backward()
+            opt_g.step()
+            watch.step()
+        assert watch.close().micro_batches == k
+
+
 WRAPPED = """\
 import functools
 import torch, torch.nn as nn
@@ -617,6 +639,29 @@ def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
         assert torch.cat([part, whole]).shape == (12, 5)  # joined, not compared: not cut
         assert torch.nn.functional.batch_norm(torch.ones(4, 8, device="meta"), stats, stats).shape == (4, 8)
     assert seen == [((4, 2), (8,)), ((4, 2), (8,))]
+
+
+def test_micro_batch_cut_takes_the_parts_a_script_joins_into_the_batch():
+    """DPO's chosen and rejected answers reach the device apart, 8 pairs each, and are joined into
+    the model's batch of 16: each part is cut, so the joined batch is the micro-batch's (and the
+    frozen reference model's inputs, and the labels the loss gathers with, are too)."""
+    import torch
+
+    from memprof.script_advice import _MicroBatchCut
+
+    seen = []
+    cut = _MicroBatchCut(2, batch=16)
+    forward = cut.wrap(lambda ids: seen.append(tuple(ids.shape)))
+    with cut:
+        chosen, rejected = (torch.ones(8, 32, dtype=torch.long).to("meta") for _ in range(2))
+        assert chosen.shape == rejected.shape == (4, 32)
+        forward(torch.cat([chosen, rejected]))  # 8: not cut again
+        assert torch.ones(16, 32).to("meta").shape == (8, 32)  # the batch whole: cut as before
+        assert torch.ones(5, 32).to("meta").shape == (5, 32)  # no part of the batch
+        assert torch.ones(4, 32).to("meta").shape == (2, 32)  # a quarter: a part too (four views)
+    assert seen == [(8, 32)]
+    assert _MicroBatchCut(4, batch=16)._joined == {16, 8, 4}
+    assert _MicroBatchCut(8, batch=16)._joined == {16, 8}
 
 
 CLASSIFIER = """\

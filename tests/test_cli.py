@@ -30,6 +30,8 @@ SCRIPTS = {
     "raises": ("import sys\nraise ValueError('no data: ' + ' '.join(sys.argv[1:]))\n",
                "the script raised ValueError: no data: --data /x (at bad.py line 2); "
                "memprof could not observe a training step"),
+    "asserts": ("x = 1\nassert x == 2\n",
+                "the script raised AssertionError (at bad.py line 2); memprof could not observe a training step"),
     "no_optimizer": ("import torch\ntorch.nn.Linear(2, 2)(torch.ones(2))\n",
                      "the script ended without a training step"),
 }

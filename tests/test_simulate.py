@@ -646,6 +646,33 @@ def test_flex_attention_as_its_fused_kernel():
     assert [row[0] for row in attention] == [forward, forward * 5 // 2]
 
 
+def test_softmax_copies_as_cuda_takes_them():
+    """SoftMax.cu's host_softmax copies a non-contiguous input (DPO's ``logits[:, :-1].log_softmax(-1)``)
+    for its run, and softmax's backward first makes ``grad * output``: 4 MiB blocks, exactly."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = get_gpu("H200-141GB")
+    alloc = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=alloc):
+        logits = torch.randn(8, 129, 1024, device="cuda")  # 4 MiB + 32 KiB
+        shifted = logits[:, :-1]  # 8 x 128 x 1024 fp32: 4 MiB, not contiguous
+
+        def rise(op) -> int:
+            alloc.reset_peak()
+            before = alloc.read().allocated
+            op()
+            return alloc.read().peak_allocated - before
+
+        assert rise(lambda: shifted.log_softmax(-1)) == 2 * 4 * MiB  # the output and the input's copy
+        assert rise(lambda: shifted.contiguous().log_softmax(-1)) == 2 * 4 * MiB  # the copy is the script's
+        y = shifted.contiguous().softmax(-1)
+        g = torch.ones_like(y)
+        assert rise(lambda: torch.ops.aten._softmax_backward_data(g, y, -1, torch.float32)) == 2 * 4 * MiB
+        assert rise(lambda: torch.ops.aten._log_softmax_backward_data(g, y, -1, torch.float32)) == 4 * MiB
+        assert rise(lambda: torch.ops.aten._log_softmax_backward_data(g.mT, y.mT, -2, torch.float32)) == 3 * 4 * MiB
+
+
 def test_rms_norm_as_cuda_runs_it():
     """On CUDA F.rms_norm (nn.RMSNorm, Llama-style QK-norm) runs one fused kernel that keeps the
     input and a float per row; the composite other devices run kept a float copy too (192 MiB

@@ -258,6 +258,19 @@ def test_a_sparse_adjacency_built_by_the_script():
         assert w.grad.shape == (64, 32)
 
 
+def test_the_largest_of_tokens_not_followed_is_not_known():
+    """Hugging Face's sampling loop stops when ``unfinished_sequences.max() == 0``: for sampled
+    tokens (values not followed) that is not known, so it goes on, where a made-up 0 (max taken
+    for an argmax, its index spread) stopped it after one token."""
+    with VirtualCUDA("h200"):
+        probs = torch.softmax(torch.randn(4, 300_000, device="cuda"), -1)
+        tokens = torch.multinomial(probs, 1).squeeze(1)  # sampled: unknown
+        unfinished = torch.ones(4, dtype=torch.long, device="cuda") & (tokens != 2).long()
+        assert not bool(unfinished.max() == 0)
+        values, indices = probs.max(-1)  # max over a dimension: its indices are spread as argmax's
+        assert indices.tolist() == [0, 1, 2, 3]
+
+
 def test_a_criterion_met_is_known_whatever_it_is_ored_with():
     """Hugging Face's generate() ORs its max-length check (known) with an end-of-sequence check
     on tokens picked from large logits (unknown) and stops once every sequence is done: it never
