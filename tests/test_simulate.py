@@ -1,5 +1,7 @@
 """The simulator on the CPU: exact bytes, the same Report as track, CUDA's policies."""
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -615,6 +617,55 @@ def test_reading_values_back_makes_the_host_wait():
         y.item()
         assert alloc.host == alloc.device == done + 4 / (gpu.pcie_bandwidth * tm.link_efficiency)
         assert issued - start < 1e-3
+
+
+def test_copies_between_host_and_device_go_over_the_link():
+    """``x.to("cuda")`` and ``gpu.copy_(host)`` (a DataLoader's batch, an offloaded activation
+    brought back) and ``host.copy_(gpu)``: 64 MiB at the link's bandwidth, the host waiting
+    unless non_blocking; not a device kernel at the memory's bandwidth."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = get_gpu("H200-141GB")
+    alloc = SimulatedAllocator(gpu)
+    link = 64 * MiB / (gpu.pcie_bandwidth * alloc.time_model.link_efficiency)
+    with VirtualCUDA(gpu, allocator=alloc):
+        host = torch.ones(4096, 4096)
+        on_device = torch.empty(4096, 4096, device="cuda")
+        for copy, waits in ((lambda: host.to("cuda"), True), (lambda: host.to("cuda", non_blocking=True), False),
+                            (lambda: on_device.copy_(host), True), (lambda: host.copy_(on_device), True),
+                            (lambda: host.copy_(on_device, non_blocking=True), False)):
+            start = alloc.clock()
+            kernels = alloc.kernels
+            copy()
+            issue = alloc.time_model.host_forward  # the host issues the copy, then the link carries it
+            assert alloc.device - start == pytest.approx(issue + link, rel=1e-6)
+            assert alloc.host == (alloc.device if waits else pytest.approx(start + issue))
+            assert alloc.kernels == kernels
+
+
+def test_a_scripts_save_on_cpu_offloads_on_the_simulated_gpu():
+    """``save_on_cpu(pin_memory=True)`` in the script: its pack hook runs inside the operator that
+    saves, where the simulated device's mode was off (pinning failed: "no pinned memory allocator").
+    Each Linear's 64 MiB input goes to the host: nothing saved stays on the device."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = get_gpu("H200-141GB")
+    for offload in (False, True):
+        alloc = SimulatedAllocator(gpu)
+        with VirtualCUDA(gpu, allocator=alloc):
+            net = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096, bias=False) for _ in range(3)]).cuda()
+            x = torch.randn(4096, 4096, device="cuda", requires_grad=True)
+            with torch.no_grad():
+                net(x)  # the first matrix product takes cuBLAS's workspace
+            before = alloc.read().allocated
+            with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext():
+                y = net(x)
+            saved = alloc.read().allocated - before - 64 * MiB  # less y itself
+            y.sum().backward()
+            assert x.grad.shape == x.shape
+        assert saved == (0 if offload else 2 * 64 * MiB)  # the inputs of the 2nd and 3rd (x is kept anyway)
 
 
 def test_flex_attention_as_its_fused_kernel():
