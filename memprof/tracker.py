@@ -38,7 +38,7 @@ import time
 import weakref
 from collections import defaultdict, deque
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import pandas as pd
 import torch
@@ -285,6 +285,8 @@ class Tracker:
         self._entered: tuple | None = None  # a root call whose forward pre-hook ran at a step's start
         self._node_hook: Any = None  # _on_node_grads, bound while a step is profiled
         self._saved_hooks: saved_tensors_hooks | None = None
+        #: While they are pushed: saved-tensors pushes as they were, and the one chaining to ours.
+        self._pushes: tuple[Callable, Callable] | None = None
         self._chained = False  # whether the saved-tensors hooks chain to ones active before (save_on_cpu)
         self._user_view: Any = None
         self._active = False
@@ -1042,24 +1044,40 @@ class Tracker:
     def _push_saved_hooks(self) -> None:
         inner = _top_saved_tensors_hooks()
         pack_inner, unpack_inner = inner if inner else (None, None)
+        pack = self._pack(pack_inner)
+        unpack = unpack_inner if unpack_inner is not None else _identity
+        pack.memprof_own = True  # it makes no tensors of the device's (virtual_cuda._in_mode)
+        self._chained = inner is not None
+        self._saved_hooks = saved_tensors_hooks(pack, unpack)
+        self._saved_hooks.__enter__()
+        # Hooks the script pushes inside the forward (save_on_cpu around some layers,
+        # torchtune's NoOpManager in a pre-hook) replace these while they are on: they are
+        # chained through the same accounting, or what they keep on the device is unseen.
+        module = torch._C._autograd
+        push = module._push_saved_tensors_default_hooks
 
+        def push_chained(pack_hook: Callable, unpack_hook: Callable) -> None:
+            push(pack_hook if getattr(pack_hook, "memprof_own", False) else self._pack(pack_hook), unpack_hook)
+
+        module._push_saved_tensors_default_hooks = push_chained
+        self._pushes = (push, push_chained)
+
+    def _pack(self, inner: Callable | None) -> Callable:
+        """The saved-tensors pack hook: what stays on the device after ``inner`` (the hook chained
+        to, or None) is an activation of the module running."""
         def pack(t: torch.Tensor) -> Any:
             # Detached: the tensor itself would hold its grad_fn, the node that saves it, in a
             # reference cycle through C++ that no collector breaks: a graph dropped without a
             # backward (an evaluation with gradients on, outputs no loss uses, TorchScript's
             # autodiff under no_grad) would never free what it saved.
-            packed = pack_inner(t) if pack_inner is not None else t
+            packed = inner(t) if inner is not None else t
             # What stays on the device is what the (possibly chained) hook kept:
             # save_on_cpu returns a host copy, which costs the device nothing.
             if isinstance(packed, torch.Tensor) and self._on_device(packed):
                 self._on_saved(packed)  # (the tensor itself: a parameter FSDP gathered is one)
             return packed.detach() if packed is t else packed
 
-        unpack = unpack_inner if unpack_inner is not None else _identity
-        pack.memprof_own = True  # it makes no tensors of the device's (virtual_cuda._in_mode)
-        self._chained = inner is not None
-        self._saved_hooks = saved_tensors_hooks(pack, unpack)
-        self._saved_hooks.__enter__()
+        return pack
 
     def _wrap_checkpoint_inputs(self) -> None:
         """Keep a non-reentrant checkpoint's inputs out of the tracker's saved-tensors hooks.
@@ -1100,6 +1118,10 @@ class Tracker:
         self._checkpoint_inputs = (cls, own)
 
     def _pop_saved_hooks(self) -> None:
+        if self._pushes is not None:
+            (push, ours), self._pushes = self._pushes, None
+            if torch._C._autograd._push_saved_tensors_default_hooks is ours:
+                torch._C._autograd._push_saved_tensors_default_hooks = push
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)

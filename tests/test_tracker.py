@@ -592,6 +592,36 @@ def test_chains_to_user_saved_tensor_hooks():
     assert prof.report().modules[A].sum() == 0
 
 
+def test_chains_hooks_the_model_pushes_inside_its_forward():
+    """Saved-tensors hooks pushed inside the forward (torchtune's NoOpManager, save_on_cpu around
+    some layers) replace the tracker's while they are on: what they keep on the device (here the
+    second layer's 512 x 512 fp32 input, 1 MiB) is still that layer's activation, and the push
+    function is the script's own again once the forward is done."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(512, 512), nn.Linear(512, 512)
+
+        def forward(self, x):
+            x = self.a(x)
+            with saved_tensors_hooks(lambda t: t, lambda t: t):
+                return self.b(x)
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    push = torch._C._autograd._push_saved_tensors_default_hooks
+    with memprof.track(model) as prof:
+        for _ in range(3):
+            model(torch.randn(512, 512)).sum().backward()
+            assert torch._C._autograd._push_saved_tensors_default_hooks is push
+            opt.step()
+            opt.zero_grad()
+    saved = prof.report().modules["activations_saved_over_step"]
+    assert saved["Net.a"] == saved["Net.b"] == MiB
+
+
 class CrossAttention(nn.Module):
     """An encoder's output attended to as key and value, the same tensor twice (as
     nn.TransformerDecoderLayer calls its cross-attention), the attention checkpointed."""
