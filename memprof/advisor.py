@@ -407,6 +407,11 @@ class _OptimizerSteps:
 
     @staticmethod
     def key(optimizer: torch.optim.Optimizer) -> tuple | None:
+        with torch._C.DisableTorchFunction():  # every property read would go through the simulated device's mode
+            return _OptimizerSteps._key(optimizer)
+
+    @staticmethod
+    def _key(optimizer: torch.optim.Optimizer) -> tuple | None:
         if optimizer.state:
             return None
         key: list = [type(optimizer)]
@@ -562,10 +567,15 @@ class _Repeats:
 
     def _accumulated(self, p: torch.Tensor) -> None:
         a = self.allocator
-        self._grads.append((len(a.events) - self._recording[0], a.handle(p.grad), p.grad))
+        with torch._C.DisableTorchFunction():  # the simulated device's mode is on in backward
+            self._grads.append((len(a.events) - self._recording[0], a.handle(p.grad), p.grad))
 
     def _later(self, first: list, workspaces: dict) -> list | None:
         """A later micro-batch's events from the first's, or None where they cannot be derived."""
+        with torch._C.DisableTorchFunction():  # no tensor it reads is the script's to see
+            return self._derived(first, workspaces)
+
+    def _derived(self, first: list, workspaces: dict) -> list | None:
         a = self.allocator
         kept = kept_blocks(first)
         if kept is None:

@@ -549,9 +549,10 @@ class Tracker:
         # Without the allocator's peak counters (CPU), skipped samples would
         # hide the peak: every profiled step is a full one there.
         full = self._full = self._plan is None or self._always_full or not self._counters.available
-        self._refresh_state(full)
-        if full:
-            self._find_workspaces()
+        with torch._C.DisableTorchFunction():  # property reads, not the script's: past any device mode
+            self._refresh_state(full)
+            if full:
+                self._find_workspaces()
         self._ledger.open_journal()
         self._fwd: list[_Span] = []
         self._bwd: dict[str, _Span] = {}
@@ -783,11 +784,12 @@ class Tracker:
         start, and in a cheap step at its bracket's samples (instead of a hook
         on every parameter: a cheap step's bracket sees only those gradients)."""
         led, on_device = self._ledger, self._on_device
-        for ref, owner, name in self._params:
-            p = ref()
-            g = p.grad if p is not None else None
-            if g is not None and on_device(g):
-                led.add(_storage(g), Category.GRADIENTS, owner, name, replace=True)
+        with torch._C.DisableTorchFunction():  # property reads, not the script's: past any device mode
+            for ref, owner, name in self._params:
+                p = ref()
+                g = p.grad if p is not None else None
+                if g is not None and on_device(g):
+                    led.add(_storage(g), Category.GRADIENTS, owner, name, replace=True)
 
     def _own_optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers of the tracked model (``_optimizers`` also remembers the others seen, as not ours)."""
@@ -1071,11 +1073,14 @@ class Tracker:
             # backward (an evaluation with gradients on, outputs no loss uses, TorchScript's
             # autodiff under no_grad) would never free what it saved.
             packed = inner(t) if inner is not None else t
-            # What stays on the device is what the (possibly chained) hook kept:
-            # save_on_cpu returns a host copy, which costs the device nothing.
-            if isinstance(packed, torch.Tensor) and self._on_device(packed):
-                self._on_saved(packed)  # (the tensor itself: a parameter FSDP gathered is one)
-            return packed.detach() if packed is t else packed
+            # Without torch-function modes: on the simulated GPU in backward (checkpointing's
+            # recomputation) every property read would go through its mode.
+            with torch._C.DisableTorchFunction():
+                # What stays on the device is what the (possibly chained) hook kept:
+                # save_on_cpu returns a host copy, which costs the device nothing.
+                if isinstance(packed, torch.Tensor) and self._on_device(packed):
+                    self._on_saved(packed)  # (the tensor itself: a parameter FSDP gathered is one)
+                return packed.detach() if packed is t else packed
 
         return pack
 

@@ -130,6 +130,13 @@ class Values(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
+        # The simulated device's torch-function mode is on where autograd's engine runs (backward):
+        # here, and in the modes below, every tensor property read would go through it. In
+        # forward the mode is off here already (it is handling the call that dispatched).
+        with torch._C.DisableTorchFunction():
+            return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func, args: tuple, kwargs: dict):
         out = self._follow(func, args, kwargs)
         if self.synchronize is not None and _reads_size_back(func, args) and any(
                 isinstance(t, torch.Tensor) and t.is_meta for t in tensors(out)):

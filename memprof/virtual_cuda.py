@@ -750,8 +750,9 @@ def _file_key(f: Any) -> Any:
 
 
 def _checkpoint_metadata(x: torch.Tensor) -> dict[str, Any]:
-    device = _DEVICE.__get__(x)
-    return {"shape": x.shape, "dtype": x.dtype, "device": _CUDA0 if device.type == "meta" else device}
+    with torch._C.DisableTorchFunction():
+        device = x.device
+        return {"shape": x.shape, "dtype": x.dtype, "device": _CUDA0 if device.type == "meta" else device}
 
 
 def _scatter(tensor: torch.Tensor, devices=None, chunk_sizes=None, dim: int = 0, streams=None, *, out=None):

@@ -42,7 +42,7 @@ def check_schema(data: dict) -> None:
     assert isinstance(data["code_change"], list) and all(isinstance(c, str) for c in data["code_change"])
     assert data["script_does"] is None or set(data["script_does"]) == {
         "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch",
-        "also_trains"}
+        "also_trains", "checkpointing_switch"}
     assert isinstance(data["skipped"], dict) and isinstance(data["failed"], dict)
     assert data["plans"] and data["plans"][0]["plan"] == (data["best"] or data["plans"][0]["plan"])
     for p in data["plans"]:
