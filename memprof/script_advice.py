@@ -26,6 +26,7 @@ the plans after it, as it does when it ends before every plan ran.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -79,6 +80,7 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
             raise ValueError(f"a batch of {batch} samples cannot be cut into {w.micro_batches} micro-batches "
                              "of equal size")
         stack.enter_context(cut)
+        stack.enter_context(_later_micro_batches(model, optimizer))
 
     region = _AutocastRegion(w, stack) if w.autocast_dtype is not None else None
     live = [True]  # emptied when the plan is undone
@@ -179,6 +181,42 @@ def _outermost(module: nn.Module, planned, depth: list[int], live: list):
             depth[0] -= 1
 
     return types.MethodType(functools.wraps(plain)(forward), module)
+
+
+@contextlib.contextmanager
+def _later_micro_batches(model: nn.Module, optimizer: torch.optim.Optimizer | None):
+    """Each step a micro-batch after the first of K: the gradients the earlier ones left are there.
+
+    The plan's step runs one micro-batch of K; the first of a real step's K makes the
+    gradients as its backward goes, the others add into them (a whole set of gradients
+    lives through their forward and backward: the K-micro-batch step's peak, unless the
+    optimizer's step is higher). So the model's trainable parameters are given gradients
+    where they have none, and zero_grad (the optimizer's, the model's) zeroes them in
+    place instead of dropping them. Parameters held as other tensor types (FSDP's DTensors)
+    and sparse embeddings' weights (their gradients would become dense) are left as they are."""
+    sparse = {id(m.weight) for m in model.modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+    with torch.no_grad():
+        for p in model.parameters():
+            if (p.requires_grad and id(p) not in sparse and type(p.data) is torch.Tensor
+                    and (p.grad is None or p.grad.shape != p.shape or p.grad.dtype != p.dtype)):
+                p.grad = torch.zeros_like(p)
+    owners = [(o, vars(o).get("zero_grad")) for o in (optimizer, model) if o is not None]
+    for owner, _ in owners:
+        # Through the instance's __dict__: a wrapper's __setattr__ (Fabric's) would pass it on.
+        vars(owner)["zero_grad"] = functools.partial(_zero_in_place, owner.zero_grad)
+    try:
+        yield
+    finally:
+        for owner, own in owners:
+            if own is None:
+                del vars(owner)["zero_grad"]
+            else:
+                vars(owner)["zero_grad"] = own
+
+
+def _zero_in_place(zero_grad, set_to_none: bool = True, *args: Any, **kwargs: Any) -> None:
+    zero_grad(False, *args, **kwargs)
 
 
 def _under(make_context, fn):

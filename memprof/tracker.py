@@ -290,9 +290,8 @@ class Tracker:
         self._chained = False  # whether the saved-tensors hooks chain to ones active before (save_on_cpu)
         self._user_view: Any = None
         self._active = False
-        # Storages resized in place (FSDP's gathered parameters): kept across
-        # steps, since their ledger entries are, and re-read at every sample.
-        self._resizable: list[weakref.ref] = []
+        # UntypedStorage.resize_ as it was before the block (the class's own, or None), and ours.
+        self._resize: tuple[Callable | None, Callable] | None = None
 
         self.step = 0
         self._forwards = 0
@@ -368,6 +367,7 @@ class Tracker:
             if self._given is None:
                 self._watch_manual(model)
             self._wrap_checkpoint_inputs()
+            self._wrap_resize()
             self._counters.reset_peak()  # later steps begin where the last one's counters were read and reset
             self._begin_step()
         except BaseException:
@@ -664,7 +664,6 @@ class Tracker:
         # Activations and their gradients of this step are dead or about to be;
         # keep the ledger small between profiled steps.
         led.drop(Category.ACTIVATIONS, Category.ACTIVATION_GRADIENTS, Category.INPUTS)
-        self._resizable = [r for r in self._resizable if r() is not None]
 
     def _module_rows(self, at_peak: dict[tuple[str, Category], int]) -> dict[str, dict[str, int]]:
         """Each module's row: what it and its submodules held at the peak, and over the step."""
@@ -871,10 +870,6 @@ class Tracker:
         if skippable and key not in self._plan.bracket:
             self._kind, self._phase_module = kind, module
             return self._last_alloc
-        for ref in self._resizable:
-            storage = ref()
-            if storage is not None:
-                self._ledger.resize(storage)
         if not self._full and key in self._plan.bracket:
             self._refresh_gradients()
         c = self._counters.read_and_reset()
@@ -1149,9 +1144,8 @@ class Tracker:
             if isinstance(t if base is None else base, nn.Parameter):
                 # A parameter the model did not register before the step: FSDP's
                 # gathered (unsharded) copy, whose storage it frees and re-fills
-                # in place; its size is re-read at every sample.
+                # in place (see _wrap_resize).
                 led.add(storage, Category.PARAMETERS, module, "gathered")
-                self._resizable.append(weakref.ref(storage))
             added = led.add(storage, Category.ACTIVATIONS, module)
         if added >= self._big:
             self._sample(self._kind, self._phase_module, ("saved", ""))
@@ -1390,6 +1384,27 @@ class Tracker:
             self._on_pre(module, args)
             self._entered = args
 
+    # -- storages resized in place -----------------------------------------------
+    def _wrap_resize(self) -> None:
+        """Re-read a storage's size in the ledger when it is resized in place: FSDP frees a
+        gathered parameter's storage with ``resize_(0)`` and fills it again before its next
+        use (FSDP1 through TypedStorage._resize_, FSDP2 through free_storage), keeping the
+        storage object, so no weak reference dies. A storage saved by checkpointing's
+        recomputation (a detached view: no parameter to know it by) is sized the same way."""
+        cls = torch.UntypedStorage
+        own, resize = cls.__dict__.get("resize_"), cls.resize_
+        tracker = weakref.ref(self)
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = resize(storage, size)
+            t = tracker()
+            if t is not None and t._active:
+                t._ledger.resize(storage)
+            return out
+
+        cls.resize_ = resize_
+        self._resize = (own, resize_)
+
     # -- zero_grad -------------------------------------------------------------
     def _wrap_zero_grad(self, obj: nn.Module | torch.optim.Optimizer) -> None:
         """Name the phase of ``obj.zero_grad()``. PyTorch has no hook for it, so
@@ -1446,6 +1461,13 @@ class Tracker:
         self._active = False
         self._pop_saved_hooks()
         self._unwrap_zero_grads()
+        if self._resize is not None:
+            (own, ours), self._resize = self._resize, None
+            if torch.UntypedStorage.__dict__.get("resize_") is ours:
+                if own is None:
+                    del torch.UntypedStorage.resize_
+                else:
+                    torch.UntypedStorage.resize_ = own
         if self._checkpoint_inputs is not None:
             cls, own = self._checkpoint_inputs
             cls.save_inputs = own
