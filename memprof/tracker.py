@@ -138,10 +138,11 @@ def _checkpoint_frame() -> type | None:
 class _Span:
     """A module's forward or backward in a profiled step: where it began, its highest point."""
 
-    __slots__ = ("name", "start", "high")
+    __slots__ = ("name", "start", "high", "ends")
 
     def __init__(self, name: str, start: int) -> None:
         self.name, self.start, self.high = name, start, start
+        self.ends = False  # a forward's: whether backward's reaching its inputs is hooked
 
 
 class _Plan:
@@ -596,7 +597,7 @@ class Tracker:
         h = self._step_handles
         if full:
             h.append(nn.modules.module.register_module_forward_pre_hook(self._on_pre))
-            h.append(nn.modules.module.register_module_forward_hook(self._on_post, always_call=True))
+            h.append(nn.modules.module.register_module_forward_hook(self._on_post, with_kwargs=True, always_call=True))
         else:
             hooked: set[int] = set()  # a shared module, hooked once for all its paths
             for name in self._plan.hooked:
@@ -605,7 +606,7 @@ class Tracker:
                 if module is not None and id(module) not in hooked:
                     hooked.add(id(module))
                     h.append(module.register_forward_pre_hook(Shared(self._on_pre)))
-                    h.append(module.register_forward_hook(Shared(self._on_post), always_call=True))
+                    h.append(module.register_forward_hook(Shared(self._on_post), with_kwargs=True, always_call=True))
         # Bound once a step, not once a node or parameter (see _hook_graph).
         self._node_hook = self._on_node_grads
         if full:  # a cheap step looks at the gradients at its bracket's samples only
@@ -969,9 +970,10 @@ class Tracker:
             # Also while recomputing: what the recomputation keeps for the
             # backward in progress are activations again.
             self._push_saved_hooks()
-        self._fwd.append(_Span(name, alloc))
+        span = _Span(name, alloc)
+        self._fwd.append(span)
         if not self._recompute and self._watches_backward(name, outer):
-            _on_first_grad(args, lambda g, n=name: self._on_backward_end(n), self._step_handles)
+            span.ends = bool(_on_first_grad(args, lambda g, n=name: self._on_backward_end(n), self._step_handles))
 
     def _watches_backward(self, name: str, outer: bool) -> bool:
         """Whether to sample where ``name``'s backward begins and ends: always
@@ -1001,7 +1003,10 @@ class Tracker:
             return paths.get(self._fwd[-1].name, self._names.get(module))
         return self._names.get(module)
 
-    def _on_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _on_post(self, module: nn.Module, args: tuple, *rest: Any) -> None:
+        # (kwargs, output); (output,) where the forward raised: PyTorch calls a process-wide
+        # always_call hook without kwargs then.
+        kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
         if not self._active or self._done or transformed():  # see _on_pre
             return
         paths = self._paths.get(module) if self._paths else None
@@ -1034,6 +1039,10 @@ class Tracker:
         if self._full:
             self._fwd_delta[name] = max(self._fwd_delta[name], max(span.high, alloc) - span.start)
         if self._watches_backward(name, outer):
+            if not span.ends and kwargs:
+                # Inputs passed by keyword (Hugging Face's layers: self_attn(hidden_states=...)), which
+                # the process-wide pre-hook is not given: without them its backward never ended.
+                _on_first_grad(kwargs, lambda g, n=name: self._on_backward_end(n), self._step_handles)
             outs = _on_first_grad(output, lambda g, n=name: self._on_backward_start(n), self._step_handles)
             if outer and outs:
                 self._hook_graph(outs)
@@ -1236,6 +1245,11 @@ class Tracker:
     def _on_backward_done(self) -> None:
         self._bwd_task = None
         if self._active and self._profiled:
+            if self._full:
+                # Gradients no AccumulateGrad made (FSDP1 with use_orig_params sets .grad itself) or
+                # whose parameters did not require grad when the step began (Lightning's
+                # toggle_optimizer): their hooks were not there to see them.
+                self._refresh_gradients()
             self._end_backward(Phase.AFTER_BACKWARD, ("backward_done", ""))
 
     def _close_backward(self, name: str) -> None:

@@ -222,7 +222,9 @@ def test_advice_forces_checkpointing(tmp_path):
     trainer = make_trainer(tmp_path, gpt2(**shape), max_steps=1, data=dict(seq=shape["seq"], vocab=shape["vocab"], n=16),
                            per_device_train_batch_size=1)
     before = module_hooks(trainer.model)
-    cb = train(trainer, warmup=1, every=0, budget="160MiB", target="rtx3060")
+    # The step as it is needs 272 MiB reserved (with the eager softmax's backward, grad * output,
+    # 24 MiB a layer); checkpointing 182 MiB, bf16 with it 194 MiB (5 % margin: 195 MiB fits 185).
+    cb = train(trainer, warmup=1, every=0, budget="195MiB", target="rtx3060")
     advice = cb.advice
     assert advice.best == "ckpt"
     assert advice.settings() == [

@@ -622,6 +622,54 @@ def test_chains_hooks_the_model_pushes_inside_its_forward():
     assert saved["Net.a"] == saved["Net.b"] == MiB
 
 
+def test_backward_of_modules_called_by_keyword_ends():
+    """Hugging Face's layers call ``self_attn(hidden_states=...)``: the process-wide pre-hook is
+    given no arguments, so backward's reaching those inputs was not hooked and the attention's
+    backward never ended: every later sample (layer 0, the embedding) was named after the last
+    layer's attention."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100)
+    model = transformers.LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 100, (2, 16))
+    with memprof.track(model) as prof:
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    timeline = prof.report().timeline
+    phases = list(timeline[timeline.step == timeline.step.max()].phase)
+    backward = [p for p in phases if p.startswith("backward")]
+    assert backward[-1] == "backward LlamaForCausalLM.model.embed_tokens"
+    assert "backward LlamaForCausalLM.model.layers.0.input_layernorm" in backward
+    assert not any("layers.2" in p for p in backward[backward.index("backward LlamaForCausalLM.model.layers.1.mlp"):])
+
+
+def test_gradients_of_parameters_frozen_when_the_step_began():
+    """Lightning's toggle_optimizer freezes the generator during the discriminator's step, where
+    a profiled step begins: its parameters were not hooked, and its gradients (512 x 512 fp32 and
+    512, 1,050,624 bytes) were counted as activation gradients once its own step ran backward."""
+    g, d = nn.Linear(512, 512), nn.Linear(512, 1)
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+    model = nn.ModuleDict({"g": g, "d": d})  # held: memprof holds the model weakly
+    with memprof.track(model, [opt_g, opt_d]) as prof:
+        for _ in range(4):
+            g.requires_grad_(False)
+            opt_d.zero_grad()
+            d(g(torch.randn(512, 512))).mean().backward()
+            opt_d.step()
+            g.requires_grad_(True)
+            d.requires_grad_(False)
+            opt_g.zero_grad()
+            (-d(g(torch.randn(512, 512))).mean()).backward()
+            opt_g.step()
+            d.requires_grad_(True)
+    timeline = prof.report().timeline
+    done = timeline[(timeline.step == timeline.step.max()) & (timeline.phase == "after backward")]
+    assert list(done.gradients) == [1_050_624 + 2_052] * 2 and list(done.activation_gradients) == [0, 0]
+
+
 class CrossAttention(nn.Module):
     """An encoder's output attended to as key and value, the same tensor twice (as
     nn.TransformerDecoderLayer calls its cross-attention), the attention checkpointed."""
