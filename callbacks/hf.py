@@ -205,6 +205,7 @@ class MemprofTrainerCallback(TrainerCallback):
         self._advise_pending = False
         self._capture: Any = None  # the forward pre-hook that takes the advised step's batch
         self._batch: tuple[tuple, dict] | None = None
+        self._inputs: dict | None = None  # what compute_loss was given in the advised step
         _close_when_train_raises(trainer, self)
 
     # -- hooks -----------------------------------------------------------------
@@ -287,7 +288,7 @@ class MemprofTrainerCallback(TrainerCallback):
     def _close(self, exception: BaseException | None) -> Report | None:
         """Leave the ``track`` block (hooks removed even if this raises); return its report."""
         self._remove_capture()
-        self._batch = None
+        self._batch = self._inputs = None
         tracker, self._tracker = self._tracker, None
         return None if tracker is None else close_tracker(tracker, exception)
 
@@ -321,8 +322,17 @@ class MemprofTrainerCallback(TrainerCallback):
 
     # -- advice ----------------------------------------------------------------
     def _take_batch(self, model: nn.Module) -> None:
-        """Keep the keyword arguments of the model's next training forward (``compute_loss``'s ``model(**inputs)``)."""
+        """Keep the keyword arguments of the model's next training forward (``compute_loss``'s
+        ``model(**inputs)``), and the inputs ``compute_loss`` was given: a subclass's own loss may
+        take some out first (``labels = inputs.pop("labels")``, as Hugging Face's docs show)."""
         self._remove_capture()
+        trainer = self.trainer
+        compute_loss = trainer.compute_loss
+
+        def take_inputs(model: nn.Module, inputs: dict, *args: Any, **kwargs: Any) -> Any:
+            if self._inputs is None and model.training and torch.is_grad_enabled():
+                self._inputs = dict(inputs)
+            return compute_loss(model, inputs, *args, **kwargs)
 
         def take(module: nn.Module, args: tuple, kwargs: dict) -> None:
             # Evaluation forwards (model.eval(), no grad) are not the training step's.
@@ -330,16 +340,22 @@ class MemprofTrainerCallback(TrainerCallback):
                 self._batch = (args, dict(kwargs))
                 self._remove_capture()
 
-        self._capture = model.register_forward_pre_hook(take, with_kwargs=True)
+        self._capture = (model.register_forward_pre_hook(take, with_kwargs=True), vars(trainer).get("compute_loss"))
+        vars(trainer)["compute_loss"] = take_inputs  # the instance's, over its class's
 
     def _remove_capture(self) -> None:
-        handle, self._capture = self._capture, None
-        if handle is not None:
+        capture, self._capture = self._capture, None
+        if capture is not None:
+            handle, own = capture
             handle.remove()
+            if own is None:
+                vars(self.trainer).pop("compute_loss", None)
+            else:
+                vars(self.trainer)["compute_loss"] = own
 
     def _advise(self, args: TrainingArguments, state: TrainerState, model: nn.Module, optimizer: Any) -> None:
         self._remove_capture()
-        batch, self._batch = self._batch, None
+        (batch, self._batch), (given, self._inputs) = (self._batch, None), (self._inputs, None)
         if not state.is_world_process_zero:
             return
         measured = self._tracker.report()
@@ -362,7 +378,7 @@ class MemprofTrainerCallback(TrainerCallback):
                         type(optimizer).__name__, seen)
             return
         # The count of the whole accumulated batch's tokens: the simulated steps use compute_loss's mean instead.
-        inputs = {k: v for k, v in batch[1].items() if k != "num_items_in_batch"}
+        inputs = {k: v for k, v in (given if given is not None else batch[1]).items() if k != "num_items_in_batch"}
         try:  # the run goes on whatever happens here
             advice = self._simulate(args, model, opt, inputs, measured)
         except Exception:
@@ -393,7 +409,8 @@ class MemprofTrainerCallback(TrainerCallback):
             checkpointed = [n for n, _ in blocks]
         with self._tracker.paused():
             return advise_step(
-                model, optimizer, inputs, lambda m, batch: trainer.compute_loss(m, batch), self.budget,
+                # A fresh dict each call: the subclass's compute_loss may pop from it.
+                model, optimizer, inputs, lambda m, batch: trainer.compute_loss(m, dict(batch)), self.budget,
                 door="hf", target=self.target, world_size=args.world_size,
                 autocast="bf16" if args.bf16 else "fp16" if args.fp16 else None,
                 micro_batches=args.gradient_accumulation_steps, checkpointed=checkpointed, shared=[trainer],

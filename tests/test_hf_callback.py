@@ -185,6 +185,29 @@ def advise_run(tmp_path, shape, budget, max_steps=2, **callback_kw):
     return trainer, cb
 
 
+class LabelSmoothingTrainer(Trainer):
+    """Hugging Face's documented custom loss: compute_loss takes the labels out of the inputs."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=0.1)
+        return (loss, logits) if return_outputs else loss
+
+
+def test_advice_on_a_compute_loss_that_pops_the_labels(tmp_path):
+    """The advised step is simulated with what compute_loss was given (the model's forward, which
+    the callback took its batch from before, never sees the labels: KeyError 'labels'), and each
+    simulated call gets a dict of its own to pop from. The run itself is left as it was."""
+    shape = dict(LOGITS)
+    base = make_trainer(tmp_path, gpt2(**shape), max_steps=2, data=dict(seq=shape["seq"], vocab=shape["vocab"], n=16))
+    trainer = LabelSmoothingTrainer(model=base.model, args=base.args, train_dataset=base.train_dataset)
+    cb = train(trainer, warmup=1, every=0, budget="70MiB", target="rtx3060")
+    assert cb.advice is not None and cb.advice.best == "accum2"
+    assert "compute_loss" not in vars(trainer)
+    assert [e["loss"] for e in trainer.state.log_history if "loss" in e][0] > 0
+
+
 def test_advice_forces_accumulation_and_leaves_the_run_unchanged(tmp_path, capsys):
     trainer, cb = advise_run(tmp_path / "advised", LOGITS, "70MiB")
     advice = cb.advice
