@@ -43,7 +43,7 @@ import pandas as pd
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack as _function_modes
 from torch.utils._pytree import tree_map
 
 from .advisor import Advice, PlanFactory, _adjusted, _progress, _spread, _step_view, default_plans, parse_budget, plan_table, rank
@@ -269,10 +269,13 @@ class _MicroBatchCut(TorchFunctionMode):
         self._parts = {n // k for n in self.sizes}
         self._joined = self.sizes | {batch // m for m in (2, 3, 4) if batch and batch % m == 0 and batch // m % k == 0}
         self._in_model = 0
+        #: Tensors (and length lists) cut so far: none in a step means its batch was not found.
+        self.cuts = 0
 
     def _cut(self, t: Any, device_only: bool = True, sizes: set[int] | None = None) -> Any:
         if (isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] in (sizes or self.sizes)
                 and not (device_only and t.device.type == "cpu")):
+            self.cuts += 1
             return t[: t.shape[0] // self.k]
         return t
 
@@ -306,6 +309,7 @@ class _MicroBatchCut(TorchFunctionMode):
 
         def cut(a):
             if _lengths(a) and len(a) in self.sizes:
+                self.cuts += 1
                 return type(a)(a[: len(a) // self.k])
             return self._cut(a, device_only=False) if not isinstance(a, nn.Parameter) else a
 
@@ -724,6 +728,11 @@ class _Schedule:
             self._watch.step()
         allocator = self._allocator()
         key = self.keys[self._current]
+        cut = next((m for m in _function_modes() if isinstance(m, _MicroBatchCut)), None)
+        if cut is not None and cut.batch and not cut.cuts:
+            self.fail(f"memprof found nothing of the batch's size ({cut.batch} samples, the model's first forward's) to "
+                      "cut in its step: its batch changes size from step to step, or reaches the model another way")
+            return self._next()
         derived = None
         if allocator is not None:
             events, allocator.events = allocator.events, []

@@ -338,6 +338,27 @@ def test_an_accumulation_plan_peaks_as_the_script_accumulating_does(tmp_path):
         assert predicted[f"accum{k}"] == json.loads(out.read_text())["steps"][-1]["peak_allocated"]
 
 
+VARYING = """\
+import torch, torch.nn as nn
+model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).cuda()
+opt = torch.optim.AdamW(model.parameters())
+for it in range(12):
+    n = 1024 + 64 * it  # a batch whose size changes every step (graphs, token buckets)
+    model(torch.randn(n, 256, device="cuda")).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_accumulation_plans_whose_batch_was_not_found_fail(tmp_path):
+    """A plan that cut nothing ran the whole batch: it is not K micro-batches, and said so
+    (it was ranked with the step as it is, as if accumulation saved nothing)."""
+    data, _ = advise_source(tmp_path, VARYING)
+    accumulating = ("accum2", "accum4", "accum8", "bf16+accum2")
+    assert all("found nothing of the batch's size (1088 samples" in data["failed"][p] for p in accumulating)
+    assert "baseline" in {p["plan"] for p in data["plans"]} and "bf16" in {p["plan"] for p in data["plans"]}
+
+
 WRAPPED = """\
 import functools
 import torch, torch.nn as nn
