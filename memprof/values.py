@@ -177,13 +177,14 @@ class Values(TorchDispatchMode):
         known = all(self._has(t) for t in metas)
         if func in _READS:  # a value for the host (C++'s item(), torch.equal): the shadows', else made up
             return func(*map_leaves(self._cpu, args), **kwargs) if known else _READS[func](*args, **kwargs)
-        if (not known and func in _OVERWRITES and _whole(args[0], self.limit)
+        limit = self._limit(func, args)
+        if (not known and func in _OVERWRITES and _whole(args[0], limit)
                 and all(self._has(t) for t in metas[1:])):
             # Every element of the target written from known values (an empty tensor filled, copied
             # into): its old values do not matter, so it is known after.
             out = func(*args, **kwargs)
             host = torch.zeros(args[0].shape, dtype=args[0].dtype, device=_CPU)
-            self._keep(out, func(host, *map_leaves(self._cpu, args[1:]), **_host(map_leaves(self._cpu, kwargs))))
+            self._keep(out, func(host, *map_leaves(self._cpu, args[1:]), **_host(map_leaves(self._cpu, kwargs))), limit)
             return out
         if not known and name in _SPREAD and func._overloadname in _SPREAD[name]:
             out = func(*args, **kwargs)
@@ -231,7 +232,7 @@ class Values(TorchDispatchMode):
         out = func(*args, **kwargs)
         # A factory has no inputs to be unknown (torch.randn of a batch): the size of what it
         # makes decides, so the host never computes a large tensor.
-        known = known and all(o.layout is torch.strided and o.untyped_storage().nbytes() <= self.limit
+        known = known and all(o.layout is torch.strided and o.untyped_storage().nbytes() <= limit
                               for o in tensors(out) if o.is_meta)
         if known:
             try:
@@ -239,7 +240,7 @@ class Values(TorchDispatchMode):
             except Exception:  # e.g. a kernel the host has no implementation of
                 known = False
             else:
-                self._keep(out, result)
+                self._keep(out, result, limit)
         if not known:
             for i in _writes(func):
                 target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
@@ -323,13 +324,23 @@ class Values(TorchDispatchMode):
             return _CPU
         return a
 
-    def _keep(self, out: Any, result: Any) -> None:
+    def _limit(self, func, args: tuple) -> int:
+        """The largest tensor ``func`` makes whose values are followed: larger for integers and
+        truths copied from the host (a graph batch's node-to-graph index, an edge list): the host
+        has them already, and the script's sizes are read from them (``batch.max() + 1`` graphs)."""
+        source = args[0] if func is _TO_COPY else args[1] if func is _COPY and len(args) > 1 else None
+        if (isinstance(source, torch.Tensor) and not source.is_meta and not source.is_floating_point()
+                and not source.is_complex()):
+            return max(self.limit, UPLOAD_LIMIT)
+        return self.limit
+
+    def _keep(self, out: Any, result: Any, limit: int | None = None) -> None:
         outs, results = tensors(out), tensors(result)
         for o, r in zip(outs, results):
             if not o.is_meta or self._has(o) or o.shape != r.shape:
                 continue  # a view or in-place result: its storage's shadow was updated already
             storage = o.untyped_storage()
-            if storage.nbytes() > self.limit:
+            if storage.nbytes() > (limit or self.limit):
                 continue
             # On the host whatever the default device (a script's set_default_device("cuda") is meta here).
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, device=_CPU).untyped_storage()
@@ -374,6 +385,9 @@ _OPS: dict[Any, tuple[str, bool]] = {}
 
 #: Largest host tensor made up (ones) for a copy to the host of a tensor whose values are unknown.
 MADE_UP_LIMIT = 16 << 20
+#: Largest tensor of integers or truths copied from the host whose values are followed (Values._limit).
+UPLOAD_LIMIT = 64 << 20
+_TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
 
 
 def _host(kwargs: dict) -> dict:

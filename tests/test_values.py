@@ -258,6 +258,20 @@ def test_a_sparse_adjacency_built_by_the_script():
         assert w.grad.shape == (64, 32)
 
 
+def test_an_index_copied_from_the_host_keeps_its_values():
+    """A graph batch's node-to-graph index (150,000 int64, 1.2 MB: over the 1 MiB followed) comes
+    from the host, where its values are: ``batch.max() + 1`` graphs is 300, not a made-up 2 (the
+    pooled graphs then did not match the 300 labels)."""
+    with VirtualCUDA("h200") as device:
+        batch = torch.arange(300).repeat_interleave(500).to("cuda")
+        assert int(batch.max()) + 1 == 300 and torch.bincount(batch).shape == (300,)
+        on_device = torch.empty(150_000, dtype=torch.long, device="cuda")
+        on_device.copy_(torch.arange(150_000) % 7)
+        assert int(on_device.max()) == 6
+        floats = torch.randn(512, 1024).to("cuda")  # 2 MiB of floats: not followed
+        assert device.values.shadow(floats) is None and device.values.shadow(batch) is not None
+
+
 def test_the_largest_of_tokens_not_followed_is_not_known():
     """Hugging Face's sampling loop stops when ``unfinished_sequences.max() == 0``: for sampled
     tokens (values not followed) that is not known, so it goes on, where a made-up 0 (max taken
