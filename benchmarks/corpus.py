@@ -108,6 +108,13 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "generate-then-train": (".", "generate_then_train.py", [], ()),
     "offload-activations": (".", "offload_activations.py", [], ()),
     "hifigan-gan": (".", "hifigan_gan.py", [], ()),
+    "fsdp1-llama": (".", "fsdp1_llama.py", [], ()),
+    "ddp-nosync-zero": (".", "ddp_nosync_zero.py", ["--out-dir", "/tmp/memprof-ddp-nosync-zero"], ()),
+    "gnn-scatter": (".", "gnn_scatter.py", [], ()),
+    "hf-trainer-custom-loss": (".", "hf_trainer_custom_loss.py", [], ()),
+    "latent-diffusion": (".", "latent_diffusion.py", [], ()),
+    "lightning-manual-gan": (".", "lightning_manual_gan.py", ["--max-steps", "12"], ()),
+    "packed-seq2seq": (".", "packed_seq2seq.py", [], ()),
 }
 
 
