@@ -703,6 +703,7 @@ class _Schedule:
         self._current: str | None = None
         self._done = 0
         self._fresh = True  # no plan has run yet in this run of the script
+        self.started = False  # whether the model's forward ran since the current plan was applied
         self._advanced: set[str] = set()
 
     def pending(self) -> list[str]:
@@ -818,7 +819,9 @@ class _Schedule:
                 self.failed[name] = f"{type(exc).__name__}: {exc}"
                 self._advance(name)
                 continue
-            self._current, self._done = name, 0
+            self._current, self._done, self.started = name, 0, False
+            handle = self.model.register_forward_pre_hook(self._on_forward)
+            self._stack.callback(handle.remove)
             if hasattr(self.advance, "now"):
                 self.advance.now(name)
             # What the last plan cached is not this plan's, nor is what the steps before it left
@@ -832,6 +835,9 @@ class _Schedule:
                 allocator.events = []
             return True
         return False
+
+    def _on_forward(self, module: nn.Module, args: tuple) -> None:
+        self.started = True
 
     def _advance(self, name: str) -> None:
         if self.advance is not None and name not in self._advanced:
@@ -920,7 +926,11 @@ def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> 
                 schedule.end_run(None)
                 raise  # the script as it is cannot be observed: nothing to advise on
             cause = exc.__cause__
-            schedule.fail(raised(cause, path) if cause is not None else str(exc))
+            said = raised(cause, path) if cause is not None else str(exc)
+            if schedule.started:
+                schedule.fail(said)
+            else:  # after the last plan's step, before the next one began: the script's end, not the plan's
+                log.warning("%s after its training steps; the plans not run yet run in another run of it", said)
             schedule.end_run(exc.report)
             report = exc.report
         else:

@@ -359,6 +359,27 @@ def test_accumulation_plans_whose_batch_was_not_found_fail(tmp_path):
     assert "baseline" in {p["plan"] for p in data["plans"]} and "bf16" in {p["plan"] for p in data["plans"]}
 
 
+ENDS_IN_ERROR = """\
+import torch, torch.nn as nn
+model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).cuda()
+opt = torch.optim.AdamW(model.parameters())
+for it in range(8):
+    model(torch.randn(1024, 256, device="cuda")).mean().backward()
+    opt.step()
+    opt.zero_grad()
+raise EOFError("Ran out of input")  # ZeRO's consolidate_state_dict on ranks that are not there
+"""
+
+
+def test_an_error_after_the_last_step_is_not_a_plans(tmp_path):
+    """The script fails at its end, after the steps, where the next plan was applied but none of
+    its steps began: that plan (and, for accumulation, every plan with as many micro-batches) was
+    blamed; they run in the next run of the script instead."""
+    data, _ = advise_source(tmp_path, ENDS_IN_ERROR)
+    assert not any("EOFError" in why for why in data["failed"].values())
+    assert {"accum2", "accum4", "accum8", "bf16", "offload_act"} <= {p["plan"] for p in data["plans"]}
+
+
 WRAPPED = """\
 import functools
 import torch, torch.nn as nn
