@@ -40,9 +40,13 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     A stack outranks blocks that repeat inside its members: nn.Transformer's
     encoder and decoder layers, not the two attentions of each decoder layer
     (self and cross), which checkpointed alone save little; of stacks inside
-    stacks, the innermost."""
+    stacks, the innermost, but for a mixture's experts (a stack named for them,
+    or beside a router with an output per member), which run side by side on
+    their share of the tokens: the layers holding them are the blocks."""
     tiers: list[list[tuple[str, nn.Module, Any]]] = [[], [], []]
-    for name, module in model.named_modules():
+    experts: set[str] = set()
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
         children = list(module.named_children())
         if len(children) < 2:
             continue
@@ -55,16 +59,22 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 and any(True for _ in first.parameters())):
             composite = any(True for _ in first.children())
             tiers[0 if composite else 2] += [(f"{prefix}{i}", c, _shape(c)) for i, c in children]
+            parent = modules.get(name.rpartition(".")[0]) if name else None
+            if "expert" in name.rpartition(".")[2].lower() or any(
+                    isinstance(m, nn.Linear) and m.out_features == len(children)
+                    for m in (parent.children() if parent is not None else ())):
+                experts.add(prefix)
         elif len(shapes) > 1 or not container:
             # Only blocks made of modules: a checkpointed single layer saves its input anyway.
             tiers[1] += [(f"{prefix}{i}", c, _shape(c)) for i, c in children
                          if shapes[_shape(c)] >= 2 and not isinstance(c, nn.ModuleList)
                          and any(True for _ in c.children()) and any(True for _ in c.parameters())]
-    if tiers[0]:
+    stacked = [t for t in tiers[0] if not any(t[0].startswith(e) for e in experts)]
+    if stacked:
         # The innermost stacks: a Swin stage's blocks, not the stages holding them.
-        names = [n for n, _, _ in tiers[0]]
-        return [(n, m) for n, m, _ in tiers[0] if not any(o.startswith(n + ".") for o in names)]
-    candidates = tiers[1] or tiers[2]
+        names = [n for n, _, _ in stacked]
+        return [(n, m) for n, m, _ in stacked if not any(o.startswith(n + ".") for o in names)]
+    candidates = tiers[1] or tiers[0] or tiers[2]
     if not candidates:
         return []
     counts = Counter(shape for _, _, shape in candidates)
