@@ -115,6 +115,8 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "latent-diffusion": (".", "latent_diffusion.py", [], ()),
     "lightning-manual-gan": (".", "lightning_manual_gan.py", ["--max-steps", "12"], ()),
     "packed-seq2seq": (".", "packed_seq2seq.py", [], ()),
+    "moe-sorted-dispatch": (".", "moe_sorted_dispatch.py", [], ()),
+    "accelerate-accumulate": (".", "accelerate_accumulate.py", [], ()),
 }
 
 

@@ -71,6 +71,11 @@ SMALL = {
     "lightning_manual_gan.py": ["--image-size", "32", "--ngf", "8", "--ndf", "8", "--batch-size", "4",
                                 "--num-workers", "0"],
     "packed_seq2seq.py": ["--vocab", "1000", "--hidden", "64", "--batch", "4", "--max_src", "12", "--max_tgt", "12"],
+    "moe_sorted_dispatch.py": ["--vocab-size", "1000", "--d-model", "64", "--n-layers", "2", "--n-heads", "4",
+                               "--n-experts", "4", "--expert-hidden", "128", "--seq-len", "32", "--batch-size", "2"],
+    "accelerate_accumulate.py": ["--vocab-size", "1000", "--d-model", "64", "--layers", "2", "--heads", "4",
+                                 "--ffn-dim", "128", "--max-source-length", "32", "--max-target-length", "16",
+                                 "--per-device-train-batch-size", "2"],
     "prefetch_classifier.py": ["--batch-size", "8", "--image-size", "32", "--width", "8", "--num-classes", "10",
                                "--samples", "256"],
 }
