@@ -820,7 +820,7 @@ class _Schedule:
                 self._advance(name)
                 continue
             self._current, self._done, self.started = name, 0, False
-            handle = self.model.register_forward_pre_hook(self._on_forward)
+            handle = self.model.register_forward_pre_hook(Shared(self._on_forward))  # copies of the model share it
             self._stack.callback(handle.remove)
             if hasattr(self.advance, "now"):
                 self.advance.now(name)
