@@ -112,15 +112,15 @@ class Values(TorchDispatchMode):
         return torch.empty(0, dtype=t.dtype, device=_CPU).set_(storage, t.storage_offset(), t.size(), t.stride())
 
     def host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A host copy of the meta tensor ``t``: its values where known, else ones where small,
-        else an uninitialised tensor (what an activation offloaded to the host becomes: no device
-        memory, and no host memory until its pages are touched)."""
+        """A host copy of the meta tensor ``t``: its values where known, else ones; where large, one
+        element expanded to its shape (what an activation offloaded to the host becomes: no device
+        memory and no host memory, read as ones like a small one, moved back whole)."""
         known = self.shadow(t)
         if known is not None:
             return known.clone()
         if t.numel() * t.element_size() <= MADE_UP_LIMIT:
             return torch.ones(t.shape, dtype=t.dtype, device=_CPU)
-        return torch.empty(t.shape, dtype=t.dtype, device=_CPU)
+        return torch.ones((), dtype=t.dtype, device=_CPU).expand(t.shape)
 
     #: Higher-order operators (flex attention) pass through to the modes below.
     supports_higher_order_operators = True
