@@ -57,13 +57,15 @@ class ActivationOffload(Strategy):
                 return t
             if alloc is not None:  # the host issues torch.empty(pin_memory=True) and copy_
                 alloc.transfer(t.numel() * t.element_size(), link, synchronize=synchronize, host_ops=2)
-            return (tuple(t.shape), tuple(t.stride()), t.dtype)  # the device copy is freed
+            return (tuple(t.shape), t.dtype)  # the device copy is freed
 
         def unpack(packed):
             if isinstance(packed, torch.Tensor):
                 return packed
-            shape, stride, dtype = packed
-            out = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            shape, dtype = packed
+            # save_on_cpu packs into torch.empty(tensor.size()) and moves that back: contiguous,
+            # a view's elements only (a fused qkv's value view is a third of its storage).
+            out = torch.empty(shape, dtype=dtype, device="meta")
             if alloc is not None:  # .to(device, non_blocking=True): the copy, its destination made above
                 alloc.transfer(out.numel() * out.element_size(), link)
             return out

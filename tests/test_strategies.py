@@ -519,6 +519,21 @@ def test_activation_offload_simulated_frees_activations_and_costs_pcie(monkeypat
     assert off.report.meta["plan"] == "offload_act"
 
 
+def test_activation_offload_simulated_brings_back_a_views_elements_only():
+    """save_on_cpu packs into torch.empty(tensor.size()) and moves that back: a fused qkv's value
+    view (8 x 4 of an 8 x 12 storage here) comes back as 8 x 4 fp32, 128 bytes, not the 352 bytes
+    its strides span."""
+    from memprof.virtual_cuda import VirtualCUDA
+
+    w = Workload(nn.Linear(2, 2), None, None, None)
+    with VirtualCUDA("h100"):
+        ActivationOffload().apply_simulated(w)
+        hooks = w.saved_tensors_hooks()
+        view = torch.empty(8, 12, device="cuda")[:, 8:]
+        back = hooks.unpack_hook(hooks.pack_hook(view))
+        assert back.shape == (8, 4) and back.untyped_storage().nbytes() == 8 * 4 * 4
+
+
 def test_activation_offload_real_packs_cpu_copies():
     model = mlp()
     w = Workload(model, torch.optim.SGD(model.parameters(), lr=0.0), torch.randn(8, 512), square_mean)
