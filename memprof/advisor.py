@@ -224,7 +224,7 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
     allocator = SimulatedAllocator(gpu)
     base_names = {s.name for s in base}
     rest = {name: [s for s in ss if s.name not in base_names] for name, ss in plans.items()}
-    keys = {name: tuple(s.name for s in ss if s.simulated) for name, ss in rest.items()}
+    keys = {name: tuple(s.key for s in ss if s.simulated) for name, ss in rest.items()}
     # Strategies accounted for afterwards (sharding) read the samples of a steady step.
     sampled = {keys[name] for name, ss in rest.items() if not all(s.simulated for s in ss)}
     # One job per distinct one-rank step, the step as it is (key ()) first: the plans

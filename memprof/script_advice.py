@@ -683,7 +683,7 @@ class _Schedule:
 
     def __init__(self, plans: dict[str, list], steps: int, simulated: bool, advance) -> None:
         self.plans, self.steps, self.simulated, self.advance = plans, steps, simulated, advance
-        self.keys = {name: tuple(s.name for s in ss if s.simulated) for name, ss in plans.items()}
+        self.keys = {name: tuple(s.key for s in ss if s.simulated) for name, ss in plans.items()}
         # Strategies accounted for afterwards (sharding) read the samples of a steady step.
         self.sampled = {self.keys[n] for n, ss in plans.items() if not all(s.simulated for s in ss)}
         #: Per plan key: (tracker step of this run, derived counters or None), then its report view.

@@ -71,6 +71,12 @@ class Strategy:
     #: workload is built again for it, e.g. weights converted in place).
     revertible: bool = True
 
+    @property
+    def key(self) -> str:
+        """What tells this strategy's simulated step from another's: plans whose strategies have
+        the same keys share one simulated step. Its name, and any setting the name leaves out."""
+        return self.name
+
     def apply(self, workload: Workload) -> None:
         """Change ``workload`` (and its model) in place, with PyTorch's own engines."""
         raise NotImplementedError

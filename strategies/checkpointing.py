@@ -158,6 +158,10 @@ class Checkpointing(Strategy):
         self.classes = sorted({type(b).__name__ for _, b in found})
         workload.applied.append(self.name)
 
+    @property
+    def key(self) -> str:
+        return f"{self.name}({','.join(self.blocks)})" if self.blocks else self.name
+
     def code_change(self, facts=None, door: Door | str = Door.SCRIPT) -> str:
         door = Door.of(door)
         names = self.wrapped or self.blocks or ["the repeated blocks"]

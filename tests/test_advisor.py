@@ -341,6 +341,18 @@ def block_workload(batch: int = 64):
     return Workload(model, opt, x, lambda m, x: m(x).float().square().mean())
 
 
+def test_plans_that_checkpoint_other_blocks_are_simulated_apart():
+    """Two checkpointing plans named alike ("ckpt") but over other blocks shared one simulated step."""
+    from memprof.advisor import simulate_plans
+    from memprof.strategies import Checkpointing
+
+    gpu = get_gpu("h200")
+    plans = {"all": [Checkpointing()], "first": [Checkpointing(blocks=["blocks.0"])]}
+    _, preds = simulate_plans(block_workload, plans, gpu, jobs=1)
+    assert preds["first"].peak_allocated > preds["all"].peak_allocated
+    assert Checkpointing(blocks=["blocks.0"]).key == "ckpt(blocks.0)" and Checkpointing().key == "ckpt"
+
+
 def test_plans_on_one_build_equal_their_own_simulations():
     """Every plan simulated on one build (strategies undone between plans, the
     allocator rewound, the second step replayed from the first's events and
