@@ -595,8 +595,17 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
 
     blocks = [n for n, _ in find_blocks(model)]
     covered = bool(blocks) and all(any(b == c or b.startswith(c + ".") for c in facts.checkpointed) for b in blocks)
+    fsdp = _fsdp(model)
     out = {}
     for name, strategies in plans.items():
+        zero = [s for s in strategies if isinstance(s, ZeRO)]
+        if fsdp and zero:
+            out[name] = (f"the {who} shards the model already ({fsdp}): memprof's sharding and state offload "
+                         "plans are for an unsharded model; FSDP's own CPUOffload offloads its shards")
+            continue
+        if facts.optimizer == "ZeroRedundancyOptimizer" and any(s.stage == 1 for s in zero):
+            out[name] = f"the {who}'s ZeroRedundancyOptimizer shards the optimizer's state already (ZeRO stage 1)"
+            continue
         if facts.autocast and any(isinstance(s, Autocast) for s in strategies):
             out[name] = f"the {who} already runs its forward under {facts.autocast} autocast"
         elif facts.forward_dtype and any(isinstance(s, Autocast) for s in strategies):
@@ -606,6 +615,19 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
         elif facts.optimizer == "none" and any(isinstance(s, ZeRO) for s in strategies):
             out[name] = f"the {who} updates the parameters itself: no optimizer's state to shard or offload"
     return out
+
+
+def _fsdp(model: nn.Module) -> str | None:
+    """How ``model`` is sharded by FSDP, if it is: "FSDP1" (FullyShardedDataParallel) or
+    "FSDP2" (fully_shard); else None."""
+    import torch.distributed.fsdp as fsdp
+
+    for m in model.modules():
+        if isinstance(m, fsdp.FullyShardedDataParallel):
+            return "FSDP1"
+        if isinstance(m, getattr(fsdp, "FSDPModule", ())):
+            return "FSDP2"
+    return None
 
 
 def _sequence_first(model: nn.Module) -> str | None:

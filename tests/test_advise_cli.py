@@ -269,6 +269,17 @@ def test_the_script_watch_sees_checkpointing_accumulation_and_the_optimizer():
     assert facts.also_trains == ["SGD over 0.01 M parameters"]  # 1000 x 10 + 10, once
 
 
+def test_a_zero_redundancy_optimizer_is_stage_one_done():
+    """A script whose optimizer is ZeroRedundancyOptimizer shards its state already: stage 1 is
+    not offered again; stage 2 (gradients too) is."""
+    from memprof.script_advice import ScriptFacts, what_is_done
+    from memprof.strategies import ZeRO
+
+    facts = ScriptFacts(optimizer="ZeroRedundancyOptimizer")
+    done = what_is_done({"zero1x8": [ZeRO(1, 8)], "zero2x8": [ZeRO(2, 8)]}, facts, nn.Linear(2, 2), "script")
+    assert done == {"zero1x8": "the script's ZeroRedundancyOptimizer shards the optimizer's state already (ZeRO stage 1)"}
+
+
 def test_the_watch_counts_micro_batches_by_backward():
     """NeRF calls its network once per chunk of rays and runs one backward for all: one
     micro-batch a step, not one per forward."""

@@ -207,6 +207,8 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert "ckpt" not in plans and advice["skipped"]["ckpt"] == "the script already checkpoints the repeated blocks"
     if name in ("prefetch-classifier", "dcgan"):  # a prefetched batch is cut; a generator's batch norm is not
         assert {"accum2", "accum4", "accum8"} <= plans
+    if name == "fsdp2-llama":  # sharded by the script: memprof's sharding plans are for an unsharded model
+        assert advice["skipped"]["offload_states"].startswith("the script shards the model already (FSDP2)")
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
         assert "accum2" in plans and "torch.distributed" in advice["baseline"]["meta"]["simulation_notes"]
 
