@@ -695,6 +695,8 @@ def test_checkpoint_inputs_passed_twice_stay_one_tensor():
     model = CrossAttention()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, memory = torch.randn(8, 2, 64), torch.randn(8, 2, 64)
+    if "save_inputs" not in vars(torch.utils.checkpoint._CheckpointFrame):
+        pytest.skip("this torch's checkpoint frame has no save_inputs (torch 2.11): nothing to wrap")
     save_inputs = vars(torch.utils.checkpoint._CheckpointFrame)["save_inputs"]
     with memprof.track(model, every=1) as prof:
         for _ in range(3):
