@@ -1077,16 +1077,22 @@ class Tracker:
             # backward (an evaluation with gradients on, outputs no loss uses, TorchScript's
             # autodiff under no_grad) would never free what it saved.
             packed = inner(t) if inner is not None else t
-            # Without torch-function modes: on the simulated GPU in backward (checkpointing's
-            # recomputation) every property read would go through its mode.
+            if not self._simulated:  # a real GPU's: no torch-function mode to leave (every saved tensor)
+                return self._kept(t, packed)
+            # On the simulated GPU in backward (checkpointing's recomputation) its mode is on:
+            # every property read would go through it.
             with torch._C.DisableTorchFunction():
-                # What stays on the device is what the (possibly chained) hook kept:
-                # save_on_cpu returns a host copy, which costs the device nothing.
-                if isinstance(packed, torch.Tensor) and self._on_device(packed):
-                    self._on_saved(packed)  # (the tensor itself: a parameter FSDP gathered is one)
-                return packed.detach() if packed is t else packed
+                return self._kept(t, packed)
 
         return pack
+
+    def _kept(self, t: torch.Tensor, packed: Any) -> Any:
+        """What a pack hook returns for ``t``, ``packed`` by the hook chained to (or ``t``)."""
+        # What stays on the device is what the (possibly chained) hook kept:
+        # save_on_cpu returns a host copy, which costs the device nothing.
+        if isinstance(packed, torch.Tensor) and self._on_device(packed):
+            self._on_saved(packed)  # (the tensor itself: a parameter FSDP gathered is one)
+        return packed.detach() if packed is t else packed
 
     def _wrap_checkpoint_inputs(self) -> None:
         """Keep a non-reentrant checkpoint's inputs out of the tracker's saved-tensors hooks.
