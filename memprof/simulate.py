@@ -410,22 +410,23 @@ class SimulatedAllocator(TorchDispatchMode):
         if storage.nbytes():
             self._allocate(storage)
 
-    def _transient(self, pieces: list[tuple[int, ...]], held: int = 0) -> None:
-        """Blocks a kernel takes and gives back within its run: ``held`` bytes around all of
-        it (a reduction's accumulation buffer), and the blocks of each piece in turn (a
-        reduction's staging buffer and semaphores, a convolution's copies of its operands)."""
+    def _transient(self, pieces: list[tuple[int, ...]], held: tuple[int, ...] = ()) -> None:
+        """Blocks a kernel takes and gives back within its run: the ``held`` blocks around all
+        of it (a reduction's accumulation buffer, a convolution's copies of its operands), and
+        the blocks of each piece in turn (a reduction's staging buffer and semaphores, each
+        cuDNN call's copies and workspace)."""
         def free(h: int) -> None:
             self.model.free(h)
             if self.events is not None:
                 self.events.append(("f", h))
 
-        around = self._malloc(held) if held else None
+        around = [self._malloc(n) for n in held if n]
         for piece in pieces:
-            handles = [self._malloc(n) for n in piece]
+            handles = [self._malloc(n) for n in piece if n]
             for h in reversed(handles):
                 free(h)
-        if around is not None:
-            free(around)
+        for h in reversed(around):
+            free(h)
 
     def _free(self, key: weakref.ref) -> None:
         handle = self._handles.pop(key, None)
@@ -442,9 +443,9 @@ class SimulatedAllocator(TorchDispatchMode):
         if isinstance(func, torch._ops.HigherOrderOperator):
             return self._higher_order(func, args, kwargs)
         out, cost = KERNELS.run(func, args, kwargs, _cost)
-        copies: list[int] = []
+        cudnn = None
         if func in CONVOLUTIONS and args[1].is_meta:
-            out, copies = cudnn_layout(func, args, out)
+            out, *cudnn = cudnn_layout(func, args, out)
         backward = torch._C._current_graph_task_id() != -1  # autograd's engine is running
         matmul = func.__name__.split(".")[0] in _MATMUL_OPS
         if len(self._workspaces) < 2 and backward not in self._workspaces and matmul:
@@ -456,9 +457,10 @@ class SimulatedAllocator(TorchDispatchMode):
         made = [self._allocate(s) for t in tensors(out) if t.is_meta for s in _storages(t)]
         if func in REDUCTIONS and isinstance(out, torch.Tensor) and out.is_meta:
             staging = staging_bytes(func, args, out, self.gpu)
-            self._transient(staging.pieces, staging.accumulation)
-        if copies:  # taken for the kernel's run, all at once
-            self._transient([tuple(copies)])
+            self._transient(staging.pieces, (staging.accumulation,))
+        if cudnn:  # the copies held for the call, and each cuDNN call's blocks in turn
+            held, calls = cudnn
+            self._transient(calls, held)
         if func in SOFTMAXES and args[0].is_meta:
             self._transient([softmax_copies(func, args)])
         if cost is None:  # the host's own work (a data pipeline): no simulated time
