@@ -216,15 +216,27 @@ def cublas_workspace_size(index: int) -> int:
     return cublas_workspace_bytes(torch.cuda.get_device_capability(index) if config is None else (0, 0), config)
 
 
+_device_counters: dict[int, DeviceCounters] = {}
+
+
 def counters_for(device: torch.device):
-    """The counters of ``device``: CUDA's, a simulated GPU's (meta tensors), or none."""
+    """The counters of ``device``: CUDA's, a simulated GPU's (meta tensors), or none.
+
+    One :class:`DeviceCounters` per CUDA device for the process: the peaks it keeps for the
+    script (what ``torch.cuda.max_memory_allocated`` would read without memprof) outlive the
+    tracker that reset them, as the allocator's own peaks outlive any reader."""
     if device.type == "meta":
         from .virtual_cuda import current
 
         vc = current()
         if vc is not None and vc.allocator is not None:
             return vc.allocator
-    return DeviceCounters(device)
+    if device.type != "cuda":
+        return DeviceCounters(device)
+    index = device.index if device.index is not None else 0
+    if index not in _device_counters:
+        _device_counters[index] = DeviceCounters(torch.device("cuda", index))
+    return _device_counters[index]
 
 
 _nvml_handles: dict[str, object] = {}

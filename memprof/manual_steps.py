@@ -38,7 +38,10 @@ class GradientWatch:
         return bool(self._handles)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        self._last = weakref.ref(p), weakref.ref(p.grad), p.grad._version
+        g = p.grad
+        if g is None:  # a hook before this one took it: an optimizer stepped in backward (torchtune's)
+            return
+        self._last = weakref.ref(p), weakref.ref(g), g._version
 
     def stepped(self) -> bool:
         """Whether a backward reached the parameters since this last answered True, and their

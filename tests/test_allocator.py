@@ -51,3 +51,17 @@ def test_workspaces_are_live_blocks_of_their_size_no_known_storage_holds(rules):
     counters = allocator.DeviceCounters(torch.device("cuda", 0))
     assert counters.workspaces(lambda: {32 * MiB}) == 2 * 32 * MiB
     assert allocator.DeviceCounters(torch.device("cpu")).workspaces(lambda: set()) == 0
+
+
+def test_one_device_counters_per_cuda_device():
+    """The peaks kept for the script (what ``torch.cuda.max_memory_allocated`` would read without
+    memprof) belong to the device, not to a tracker: the runner's early tracker and a tracker
+    dropped on a restart reset the raw peaks, and a fresh ``KeptPeaks`` per tracker lost them
+    (a script printed a 0.07 GiB peak under ``memprof track`` where it had reached 8.85 GiB)."""
+    a = allocator.counters_for(torch.device("cuda", 1))
+    assert allocator.counters_for(torch.device("cuda:1")) is a
+    assert allocator.counters_for(torch.device("cuda", 0)) is not a
+    a.kept.fold({"allocated_bytes": {"all": {"peak": 5 * MiB}}})
+    stats = {"allocated_bytes": {"all": {"peak": MiB}}}
+    assert allocator.counters_for(torch.device("cuda", 1)).kept.apply(stats)["allocated_bytes"]["all"]["peak"] == 5 * MiB
+    a.kept.clear()
