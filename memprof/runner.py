@@ -105,6 +105,8 @@ class _Observer:
         self._tracking = ExitStack()  # the tracker and its step hook: closed to start again
         self._previous_profile: Any = None
         self._profiling = False
+        self._in_backward: list[torch.optim.Optimizer] = []  # optimizers stepped in the running backward
+        self._deferred = False  # a step that ended inside backward waits for its end
         self._stack = ExitStack()  # every hook and the tracker: closed in one place
         self.oom_files: tuple[Path, ...] | None = None  # an out-of-memory error's breakdown
 
@@ -204,6 +206,14 @@ class _Observer:
         if transformed():  # captured in a CUDA graph: not run now
             return
         self._check()
+        if torch._C._current_graph_task_id() != -1:
+            # Stepped inside backward, as each gradient is made (torchtune's optimizer in backward,
+            # one optimizer per parameter, stepped by post-accumulate-grad hooks): all of one
+            # backward's optimizers are one step, taken where the backward ends.
+            if not self._in_backward:
+                _after_backward(sys._getframe(1), self._stepped_in_backward)
+            self._in_backward.append(opt)
+            return
         if self._pending is not None:
             return
         if self.tracker is not None:
@@ -219,6 +229,29 @@ class _Observer:
         self._trained = [(model, opt)]
         self._pending = (model, [opt])
         self._start_after(sys._getframe(1))
+
+    def _stepped_in_backward(self) -> None:
+        """The backward in which optimizers stepped has ended: they step as one."""
+        opts, self._in_backward = list(dict.fromkeys(self._in_backward)), []
+        if self._pending is not None:
+            return
+        if self.tracker is not None:
+            new = [o for o in opts if not any(o is t for _, t in self._trained)]
+            if new and self.on_model is None and self._trained[0][1] is not None:
+                self._trained += [(self._trained[0][0], o) for o in new]
+                self._pending = (self._trained[0][0], [o for _, o in self._trained])
+                self._start()
+            return
+        self.optimizer_steps += 1
+        self._unwatch()
+        if self.optimizer_steps < self.warmup:
+            return
+        model = self._find_model(_Together(opts))
+        if self.simulated and not any(p.is_meta for p in model.parameters()):
+            raise _Stop(_not_moved(model))
+        self._trained = [(model, o) for o in opts]
+        self._pending = (model, opts)
+        self._start()
 
     def _another_optimizer(self, opt: torch.optim.Optimizer) -> None:
         """Another optimizer steps: over the same model (Muon for the matrices and
@@ -256,7 +289,14 @@ class _Observer:
         # Registered after the tracker's own step hook (an optimizer's, or the forward pre-hook
         # that ends a step without one), so the step is recorded first. Every optimizer's step
         # and every forward calls it; a step ended only where the tracker's count moved (with
-        # SGD and Adam over parts of one model, only one of them ends it).
+        # SGD and Adam over parts of one model, only one of them ends it). A step that ends
+        # inside backward (optimizers stepped in it) is acted on where the backward ends: a
+        # plan applied inside it would be undone with the engine's thread state.
+        if torch._C._current_graph_task_id() != -1 and self.tracker is not None and self.tracker.step != self._seen_step:
+            if not self._deferred:
+                self._deferred = True
+                _after_backward(sys._getframe(1), self._on_deferred_step)
+            return
         if self.tracker is not None and self.tracker.step != self._seen_step:
             self._seen_step = self.tracker.step
             if self.tracker.step >= self.steps:
@@ -308,6 +348,10 @@ class _Observer:
             how = f"without an optimizer (the script updates the parameters) from step {self.manual_steps + 1}"
         models = " and ".join(model.keys()) if model is self._root else type(_uncompiled(model)).__name__
         log.info("tracking %s %s", models, how)
+
+    def _on_deferred_step(self) -> None:
+        self._deferred = False
+        self._on_tracked_step()
 
     def _restore_profile(self) -> None:
         if self._profiling:
@@ -395,6 +439,41 @@ def _not_moved(model: nn.Module) -> str:
     return (f"{type(model).__name__} trains on the {where}, not on the simulated GPU: the script did not move it "
             "to CUDA (it may pick its device from an option or an environment variable); run it the way it "
             "trains on a GPU, e.g. pass its device option as 'cuda' after --")
+
+
+class _Together:
+    """Optimizers that step as one (one per parameter, in backward): their parameters, for finding the model."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+
+_BACKWARD_FILES = {sys.modules[m].__file__ for m in ("torch._tensor", "torch.autograd", "torch.autograd.graph")}
+
+
+def _after_backward(frame, then: Callable[[], None]) -> None:
+    """Call ``then`` where the backward running ``frame`` ends: at the return of its outermost
+    Python frame (``loss.backward()``) where this thread runs it (the CPU's, a simulated GPU's),
+    else (a GPU's engine thread) at the end of the engine's graph task."""
+    outer = None
+    while frame is not None:
+        if frame.f_code.co_filename in _BACKWARD_FILES and frame.f_code.co_name in (
+                "backward", "grad", "_engine_run_backward"):
+            outer = frame
+        frame = frame.f_back
+    if outer is None:
+        torch.autograd.Variable._execution_engine.queue_callback(then)
+        return
+    previous = sys.getprofile()
+
+    def on_return(f, event: str, arg: Any) -> None:
+        if previous is not None:
+            previous(f, event, arg)
+        if event == "return" and f is outer:
+            sys.setprofile(previous)
+            then()
+
+    sys.setprofile(on_return)
 
 
 def _step_frame(frame):

@@ -382,6 +382,9 @@ class ScriptFacts:
     also_trains: list[str] = field(default_factory=list)
     #: The model's own switch for activation checkpointing, as a call (Hugging Face's, timm's), or "".
     checkpointing_switch: str = ""
+    #: Optimizers that step inside backward, as each gradient is made (torchtune's optimizer in
+    #: backward: one per parameter, stepped by post-accumulate-grad hooks); 0 where none does.
+    in_backward: int = 0
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, **facts: Any) -> "ScriptFacts":
@@ -415,7 +418,9 @@ class ScriptFacts:
                                    "none (fp32 compute)"),
             f"micro-batches per optimizer step: {self.micro_batches}",
             f"checkpointed: {', '.join(_short_list(self.checkpointed)) if self.checkpointed else 'nothing'}",
-            f"optimizer: {self.optimizer} ({self.implementation})",
+            f"optimizer: {self.optimizer} ({self.implementation})" if not self.in_backward else
+            f"optimizer: {self.in_backward} x {self.optimizer} ({self.implementation}), stepped in backward as each "
+            "gradient is made",
             f"parameters: {params}" + (f", {self.frozen / 1e6:.2f} M frozen" if self.frozen else ""),
         ]
         if self.batch:
@@ -428,10 +433,14 @@ class ScriptFacts:
 
 def _checkpointing_switch(model: nn.Module) -> str:
     """How ``model`` turns activation checkpointing on itself: Hugging Face's
-    ``PreTrainedModel.gradient_checkpointing_enable`` (where the model supports it), timm's
-    ``set_grad_checkpointing`` (every timm model has it; the ones that cannot raise)."""
-    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
-        return "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
+    ``PreTrainedModel.activation_checkpointing_enable`` (transformers 5.2x; before it
+    ``gradient_checkpointing_enable``, now its deprecated alias) where the model supports it,
+    timm's ``set_grad_checkpointing`` (every timm model has it; the ones that cannot raise)."""
+    if getattr(model, "supports_gradient_checkpointing", False):
+        if callable(getattr(model, "activation_checkpointing_enable", None)):
+            return "model.activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False})"
+        if callable(getattr(model, "gradient_checkpointing_enable", None)):
+            return "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
     if callable(getattr(model, "set_grad_checkpointing", None)):
         return "model.set_grad_checkpointing(True)"
     return ""
@@ -490,6 +499,7 @@ class _Watch:
             self._handles += [m.register_forward_pre_hook(Shared(self._on_entry), with_kwargs=True),
                               m.register_forward_hook(Shared(self._on_entry_end), always_call=True)]
         self._optimizers = weakref.WeakSet([opt] if opt is not None else [])
+        self._in_backward: weakref.WeakSet = weakref.WeakSet()
         self._optimizer = weakref.ref(opt) if opt is not None else None
         # Backward passes that reach the model, counted at one of its parameters: the micro-batches
         # of a step (NeRF calls its network once per chunk of rays, with one backward for all).
@@ -543,6 +553,9 @@ class _Watch:
         if self._optimizer is not None and opt is self._optimizer() and self._handles:
             self._per_step.append(self._pending)
         self._pending = 0
+        if torch._C._current_graph_task_id() != -1 and opt not in self._in_backward:
+            self._in_backward.add(opt)
+            self.facts.in_backward = len(self._in_backward)
         if opt in self._optimizers:
             return
         self._optimizers.add(opt)
@@ -591,10 +604,14 @@ class _Watch:
 
 def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, who: str) -> dict[str, str]:
     """The plans that would repeat what the training (``who``: "script", "fit") does already, and why."""
-    from memprof.strategies import Autocast, Checkpointing, ZeRO, find_blocks
+    from memprof.strategies import Accumulation, Autocast, Checkpointing, ZeRO, find_blocks
 
-    blocks = [n for n, _ in find_blocks(model)]
-    covered = bool(blocks) and all(any(b == c or b.startswith(c + ".") for c in facts.checkpointed) for b in blocks)
+    # Blocks the optimizer trains: a frozen encoder's (Whisper's with freeze_encoder()) keeps
+    # nothing for a backward that never reaches it, so it never recomputes either. Hugging Face's
+    # switch, when on, checkpoints every block that can be.
+    blocks = [n for n, m in find_blocks(model) if any(p.requires_grad for p in m.parameters())]
+    covered = getattr(model, "is_gradient_checkpointing", False) is True or (
+        bool(blocks) and all(any(b == c or b.startswith(c + ".") for c in facts.checkpointed) for b in blocks))
     fsdp = _fsdp(model)
     out = {}
     for name, strategies in plans.items():
@@ -602,6 +619,12 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
         if fsdp and zero:
             out[name] = (f"the {who} shards the model already ({fsdp}): memprof's sharding and state offload "
                          "plans are for an unsharded model; FSDP's own CPUOffload offloads its shards")
+            continue
+        if facts.in_backward and (zero or any(isinstance(s, Accumulation) for s in strategies)):
+            # torchtune refuses accumulation with optimizer_in_bwd for the same reason.
+            out[name] = (f"the {who}'s {facts.in_backward} optimizers step inside backward, each as its gradient "
+                         "is made: no gradient outlives its backward to accumulate over micro-batches, and "
+                         "memprof's sharding and state offload plans are for one optimizer stepped after backward")
             continue
         if facts.optimizer == "ZeroRedundancyOptimizer" and any(s.stage == 1 for s in zero):
             out[name] = f"the {who}'s ZeroRedundancyOptimizer shards the optimizer's state already (ZeRO stage 1)"

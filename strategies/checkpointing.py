@@ -180,4 +180,4 @@ class Checkpointing(Strategy):
         switch = getattr(facts, "checkpointing_switch", "")
         if switch and not self.selective:
             return f"checkpoint each repeated block with the model's own switch: `{switch}` (or by hand: {wrap})"
-        return f"checkpoint each repeated block: {wrap} (Hugging Face: model.gradient_checkpointing_enable())"
+        return f"checkpoint each repeated block: {wrap} (Hugging Face: model.activation_checkpointing_enable(), before transformers 5.2x gradient_checkpointing_enable())"

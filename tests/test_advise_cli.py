@@ -996,3 +996,74 @@ def test_a_copy_of_the_model_made_during_a_plan_runs_its_own_forward(tmp_path):
     ]) + "\n")
     assert all("ckpt" in name for name in data["failed"]), data["failed"]  # no repeated blocks, only that
     assert {"baseline", "bf16", "accum2", "offload_act"} <= {p["plan"] for p in data["plans"]}
+
+
+def test_a_frozen_encoder_does_not_make_checkpointing_look_undone():
+    """Whisper fine-tuned with ``freeze_encoder()`` and Hugging Face's checkpointing: the decoder's
+    layers recompute, the frozen encoder's never run in backward. Checkpointing is done; before,
+    the 12 frozen blocks made it look undone and ckpt was advised over the script's own."""
+    from memprof.advisor import default_plans
+    from memprof.script_advice import ScriptFacts, what_is_done
+
+    def block():
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    net = nn.Module()
+    net.encoder, net.decoder = nn.ModuleList(block() for _ in range(3)), nn.ModuleList(block() for _ in range(3))
+    net.encoder.requires_grad_(False)
+    plans = {name: make() for name, make in default_plans().items()}
+    facts = ScriptFacts(checkpointed=["decoder.0", "decoder.1", "decoder.2"])
+    skipped = what_is_done(plans, facts, net, "script")
+    assert skipped["ckpt"] == "the script already checkpoints the repeated blocks"
+    assert "ckpt" not in what_is_done(plans, ScriptFacts(checkpointed=["decoder.0"]), net, "script")
+    # A Hugging Face model whose switch is on checkpoints whatever it can, recomputed or not.
+    net.is_gradient_checkpointing = True
+    assert "ckpt" in what_is_done(plans, ScriptFacts(), net, "script")
+
+
+def test_the_checkpointing_switch_prefers_the_current_hugging_face_name():
+    from memprof.script_advice import _checkpointing_switch
+
+    class Old(nn.Linear):
+        supports_gradient_checkpointing = True
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            pass
+
+    class New(Old):
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None):
+            pass
+
+    assert _checkpointing_switch(Old(2, 2)) == (
+        "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+    assert _checkpointing_switch(New(2, 2)) == (
+        "model.activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False})")
+
+
+def test_optimizers_stepped_in_backward_leave_out_accumulation_and_sharding():
+    """Optimizers stepped as each gradient is made keep no gradient past its backward: a
+    micro-batch plan could not accumulate, and the sharding and state offload plans are for one
+    optimizer stepped after backward. The facts say how the script steps."""
+    from memprof.advisor import default_plans
+    from memprof.script_advice import _Watch, what_is_done
+
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opts = {p: torch.optim.AdamW([p]) for p in net.parameters()}
+
+    def step_in_backward(p):
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    watch = _Watch(net, opts[net[0].weight])
+    net(torch.randn(4, 8)).sum().backward()
+    watch.step()
+    facts = watch.close()
+    assert facts.in_backward == 4
+    assert "optimizer: 4 x AdamW (" in "\n".join(facts.lines())
+    plans = {name: make() for name, make in default_plans().items()}
+    skipped = what_is_done(plans, facts, net, "script")
+    assert {"accum2", "offload_states", "bf16+accum4", "bf16+offload_states"} <= set(skipped)
+    assert {"baseline", "bf16", "ckpt", "offload_act"}.isdisjoint(skipped)
+    assert skipped["accum2"].startswith("the script's 4 optimizers step inside backward")

@@ -269,6 +269,34 @@ def test_two_optimizers_over_one_model_are_both_tracked(tmp_path, caplog, clean)
                                       "step": 2 * 4}
 
 
+def test_optimizers_stepped_in_backward_are_one_step(tmp_path, caplog, clean):
+    """torchtune's optimizer in backward: an AdamW per parameter, stepped and zeroed by a
+    post-accumulate-grad hook registered before memprof's, the loop calling backward() alone.
+    Before, memprof's gradient watch failed on the gradient the hook had taken (TypeError), and
+    each newly seen optimizer restarted tracking. Now the three are one step, tracked once."""
+    script = write(tmp_path, """
+        import torch
+        from torch import nn
+        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False),
+                              nn.ReLU(), nn.Linear(512, 512, bias=False))
+        optimizers = {p: torch.optim.AdamW([p], lr=1e-3) for p in model.parameters()}
+        def step_in_backward(p):
+            optimizers[p].step()
+            optimizers[p].zero_grad()
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step_in_backward)
+        for i in range(20):
+            nn.functional.mse_loss(model(torch.randn(64, 512)), torch.randn(64, 512)).backward()
+    """)
+    with caplog.at_level(logging.INFO, logger="memprof"):
+        report = observe_script(script, steps=3)
+    assert caplog.text.count("tracking Sequential") == 1
+    assert "tracking Sequential with AdamW, AdamW, AdamW from optimizer step 2" in caplog.text
+    assert len(report.steps) == 3
+    # Every optimizer's m and v: three 512x512 fp32 weights; and a step count each.
+    assert report.optimizer_state == {"exp_avg": 3 * MiB, "exp_avg_sq": 3 * MiB, "step": 3 * 4}
+
+
 def test_a_compiled_model_and_optimizer_step(tmp_path, caplog, clean):
     """torch.compile on the model and on a function that steps the optimizer: memprof's
     hooks stay out of the compiled code (Dynamo traced them: a crash, or steps unseen),
