@@ -117,6 +117,9 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "packed-seq2seq": (".", "packed_seq2seq.py", [], ()),
     "moe-sorted-dispatch": (".", "moe_sorted_dispatch.py", [], ()),
     "accelerate-accumulate": (".", "accelerate_accumulate.py", [], ()),
+    "optim-in-backward": (".", "optim_in_backward.py", [], ()),
+    "pinn-burgers": (".", "pinn_burgers.py", [], ()),
+    "whisper-finetune": (".", "whisper_finetune.py", [], ()),
 }
 
 

@@ -78,6 +78,11 @@ SMALL = {
                                  "--per-device-train-batch-size", "2"],
     "prefetch_classifier.py": ["--batch-size", "8", "--image-size", "32", "--width", "8", "--num-classes", "10",
                                "--samples", "256"],
+    "optim_in_backward.py": ["--vocab-size", "1000", "--num-layers", "2", "--dim", "64", "--num-heads", "4",
+                             "--num-kv-heads", "4", "--hidden-dim", "176", "--seq-len", "32", "--batch-size", "2"],
+    "pinn_burgers.py": ["--n-u", "200", "--n-f", "2000", "--width", "32", "--depth", "2"],
+    "whisper_finetune.py": ["--d-model", "64", "--layers", "2", "--heads", "4", "--ffn-dim", "128",
+                            "--per-device-train-batch-size", "2", "--max-label-length", "16"],
 }
 
 
