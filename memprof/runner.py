@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .frames import script_modules
 from .hooks import transformed
@@ -107,6 +107,7 @@ class _Observer:
         self._profiling = False
         self._in_backward: list[torch.optim.Optimizer] = []  # optimizers stepped in the running backward
         self._deferred = False  # a step that ended inside backward waits for its end
+        self._stepping = 0  # optimizer steps running (between their pre- and post-hooks)
         self._stack = ExitStack()  # every hook and the tracker: closed in one place
         self.oom_files: tuple[Path, ...] | None = None  # an out-of-memory error's breakdown
 
@@ -119,6 +120,7 @@ class _Observer:
             register_module_forward_pre_hook(self._on_forward_pre),
             register_module_forward_hook(self._on_forward, always_call=True),
             # As Python even in a compiled optimizer step (see memprof.tracker).
+            register_optimizer_step_pre_hook(torch.compiler.disable(self._on_step_pre)),
             register_optimizer_step_post_hook(torch.compiler.disable(self._on_step)),
         ):
             self._stack.callback(handle.remove)
@@ -142,7 +144,7 @@ class _Observer:
             self._outermost[module] = next(self._seq)
             if self.early and self._early is None and self.tracker is None and self._pending is None:
                 self._watch_early(module, args)
-            if self.optimizer_steps == 0 and self.tracker is None and self._pending is None:
+            if self.optimizer_steps == 0 and not self._stepping and self.tracker is None and self._pending is None:
                 self._depth += 1  # the forward hook takes it off again, also if tracking cannot start
                 self._watch_manual(module, args)
                 return
@@ -202,7 +204,13 @@ class _Observer:
         if not torch.compiler.is_compiling():
             self._depth = max(self._depth - 1, 0)
 
+    def _on_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        # Forwards inside an optimizer's step are its closure's (L-BFGS evaluates the loss up to
+        # max_eval times a step, zeroing the gradients each time): not steps of a loop without one.
+        self._stepping += 1
+
     def _on_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        self._stepping = max(self._stepping - 1, 0)
         if transformed():  # captured in a CUDA graph: not run now
             return
         self._check()

@@ -103,6 +103,16 @@ def _on_first_grad(obj: Any, fn, handles: list) -> list[torch.Tensor]:
     return tensors
 
 
+
+def _state_tensors(value: Any) -> tuple[torch.Tensor, ...]:
+    """The tensors of one optimizer state value: a tensor (Adam's ``exp_avg``), or a list of them
+    (L-BFGS's curvature history ``old_dirs``, ``old_stps``, which grows to ``history_size``)."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(v for v in value if isinstance(v, torch.Tensor))
+    return ()
+
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     """The storage that holds ``t``'s bytes on this process: for a sharded
     DTensor (FSDP2), the local shard's, not the global tensor's."""
@@ -825,7 +835,7 @@ class Tracker:
             last = None  # parameters came or went: compare nothing, record all
         recorded = []
         for i, (p, state) in enumerate(opt.state.items()):
-            tensors = tuple(v for v in state.values() if isinstance(v, torch.Tensor))
+            tensors = tuple(t for v in state.values() for t in _state_tensors(v))
             is_tensor = isinstance(p, torch.Tensor)
             # Compared by position in the state's order, by identity: cheaper than
             # a lookup by parameter, and a tensor's == is elementwise.
@@ -838,8 +848,9 @@ class Tracker:
             owner = led.get(_storage(p)) if is_tensor else None
             module = owner.module if owner is not None else ""
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and self._on_device(value):
-                    led.add(_storage(value), Category.OPTIMIZER_STATE, module, str(key))
+                for t in _state_tensors(value):
+                    if self._on_device(t):
+                        led.add(_storage(t), Category.OPTIMIZER_STATE, module, str(key))
             recorded.append((weakref.ref(p) if is_tensor else None, tuple(map(weakref.ref, tensors))))
         self._recorded_state[opt] = recorded
 

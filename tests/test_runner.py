@@ -297,6 +297,37 @@ def test_optimizers_stepped_in_backward_are_one_step(tmp_path, caplog, clean):
     assert report.optimizer_state == {"exp_avg": 3 * MiB, "exp_avg_sq": 3 * MiB, "step": 3 * 4}
 
 
+def test_an_lbfgs_closure_is_not_a_loop_without_an_optimizer(tmp_path, caplog, clean):
+    """A PINN trained by L-BFGS alone: each step calls the closure (forward, zero_grad, backward)
+    up to max_eval times before the step's first post-hook. Those forwards were taken for a loop
+    that updates its parameters by hand ("tracking ... without an optimizer"); and L-BFGS's
+    curvature history, lists of tensors in its state, was counted as temporaries."""
+    script = write(tmp_path, """
+        import torch
+        from torch import nn
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.Tanh(), nn.Linear(512, 1, bias=False))
+        opt = torch.optim.LBFGS(model.parameters(), max_iter=4, history_size=10)
+        x, y = torch.randn(256, 512), torch.randn(256, 1)
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+        for step in range(10):
+            opt.step(closure)
+    """)
+    with caplog.at_level(logging.INFO, logger="memprof"):
+        report = observe_script(script, steps=2)
+    assert "tracking Sequential with LBFGS from optimizer step 2" in caplog.text
+    state = report.optimizer_state
+    # the flat gradient and direction (513 x 512 + 512 = 262,656 floats each) and, after 2 + 2 steps
+    # of up to 4 iterations each, the curvature pairs kept: each as large again
+    flat = (512 * 512 + 512) * 4
+    assert state["d"] == flat and state["prev_flat_grad"] == flat
+    assert state["old_dirs"] == state["old_stps"] and state["old_dirs"] % flat == 0 and state["old_dirs"] >= 4 * flat
+
+
 def test_a_compiled_model_and_optimizer_step(tmp_path, caplog, clean):
     """torch.compile on the model and on a function that steps the optimizer: memprof's
     hooks stay out of the compiled code (Dynamo traced them: a crash, or steps unseen),
