@@ -293,14 +293,16 @@ class _Observer:
         sys.setprofile(on_return)
         self._profiling = True
 
-    def _on_tracked_step(self, *hook_args: Any) -> None:
+    def _on_tracked_step(self, *hook_args: Any, deferred: bool = False) -> None:
         # Registered after the tracker's own step hook (an optimizer's, or the forward pre-hook
         # that ends a step without one), so the step is recorded first. Every optimizer's step
         # and every forward calls it; a step ended only where the tracker's count moved (with
         # SGD and Adam over parts of one model, only one of them ends it). A step that ends
         # inside backward (optimizers stepped in it) is acted on where the backward ends: a
         # plan applied inside it would be undone with the engine's thread state.
-        if torch._C._current_graph_task_id() != -1 and self.tracker is not None and self.tracker.step != self._seen_step:
+        # (Deferred: at the end of the engine's graph task, which still runs, as a GPU's engine thread calls it.)
+        if (not deferred and torch._C._current_graph_task_id() != -1 and self.tracker is not None
+                and self.tracker.step != self._seen_step):
             if not self._deferred:
                 self._deferred = True
                 _after_backward(sys._getframe(1), self._on_deferred_step)
@@ -359,7 +361,7 @@ class _Observer:
 
     def _on_deferred_step(self) -> None:
         self._deferred = False
-        self._on_tracked_step()
+        self._on_tracked_step(deferred=True)
 
     def _restore_profile(self) -> None:
         if self._profiling:

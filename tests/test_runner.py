@@ -269,11 +269,19 @@ def test_two_optimizers_over_one_model_are_both_tracked(tmp_path, caplog, clean)
                                       "step": 2 * 4}
 
 
-def test_optimizers_stepped_in_backward_are_one_step(tmp_path, caplog, clean):
+@pytest.mark.parametrize("thread", ["caller", "engine"])
+def test_optimizers_stepped_in_backward_are_one_step(tmp_path, caplog, clean, monkeypatch, thread):
     """torchtune's optimizer in backward: an AdamW per parameter, stepped and zeroed by a
     post-accumulate-grad hook registered before memprof's, the loop calling backward() alone.
     Before, memprof's gradient watch failed on the gradient the hook had taken (TypeError), and
-    each newly seen optimizer restarted tracking. Now the three are one step, tracked once."""
+    each newly seen optimizer restarted tracking. Now the three are one step, tracked once.
+    The hooks run on the thread that called backward (the CPU's, a simulated GPU's: acted on at
+    the return of its backward frame) or, on a GPU, on the engine's device thread, whose stack
+    has no backward frame (acted on at the end of the engine's graph task: here as if so)."""
+    if thread == "engine":
+        import memprof.runner
+
+        monkeypatch.setattr(memprof.runner, "_BACKWARD_FILES", set())
     script = write(tmp_path, """
         import torch
         from torch import nn
