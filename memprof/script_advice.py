@@ -813,12 +813,12 @@ class _Schedule:
             if self._watch is not None:
                 self.facts, self._watch = self._watch.close(), None
                 self._skip_what_is_done()
-            # One more step of the script as it is, on an emptied cache: each plan's step runs on
-            # one (_next), but the script's keeps the layout its first step left, the optimizer's
-            # state made among that step's freed activations and segments split around it. A run
-            # of a plan from its start lays its cache out alike, so every plan's peak reserved
-            # carries the difference. (A Whisper fine-tune on the H200: 5544 MiB reserved as it
-            # is, 5194 MiB after an empty_cache(); checkpointing from its start 5524 and 5194.)
+            # The script's steps again, as many as a plan's, on an emptied cache: each plan's step
+            # runs on one (_next), but the script's keeps the layout its first step left, the
+            # optimizer's state made among that step's freed activations and segments split around
+            # it. A run of a plan from its start lays its cache out alike, so every plan's peak
+            # reserved carries the difference (a Whisper fine-tune: 244 MiB; its plans measured on
+            # the H200 within -5 to +3 %, benchmarks/results/corpus-unseen-9-h200.json).
             self._emptied, self._emptied_steps = int(self.baseline.steps["peak_reserved"].iloc[-1]), 0
             torch.cuda.empty_cache()
             if allocator is not None:
