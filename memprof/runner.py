@@ -226,40 +226,37 @@ class _Observer:
             return
         if self.tracker is not None:
             self._another_optimizer(opt)
-            return
-        self.optimizer_steps += 1
-        self._unwatch()
-        if self.optimizer_steps < self.warmup:
-            return
-        model = self._find_model(opt)
-        if self.simulated and not any(p.is_meta for p in model.parameters()):
-            raise _Stop(_not_moved(model))
-        self._trained = [(model, opt)]
-        self._pending = (model, [opt])
-        self._start_after(sys._getframe(1))
+        elif self._first_steps([opt]):
+            self._start_after(sys._getframe(1))
 
     def _stepped_in_backward(self) -> None:
         """The backward in which optimizers stepped has ended: they step as one."""
         opts, self._in_backward = list(dict.fromkeys(self._in_backward)), []
         if self._pending is not None:
             return
-        if self.tracker is not None:
-            new = [o for o in opts if not any(o is t for _, t in self._trained)]
-            if new and self.on_model is None and self._trained[0][1] is not None:
-                self._trained += [(self._trained[0][0], o) for o in new]
-                self._pending = (self._trained[0][0], [o for _, o in self._trained])
+        if self.tracker is None:
+            if self._first_steps(opts):
                 self._start()
             return
+        new = [o for o in opts if not any(o is t for _, t in self._trained)]
+        if new and self.on_model is None and self._trained[0][1] is not None:  # as _another_optimizer
+            self._trained += [(self._trained[0][0], o) for o in new]
+            self._pending = (self._trained[0][0], [o for _, o in self._trained])
+            self._start()
+
+    def _first_steps(self, opts: list[torch.optim.Optimizer]) -> bool:
+        """A step of ``opts`` before tracking: whether tracking starts after it (the model found
+        and pending with them, once the warm-up steps are done)."""
         self.optimizer_steps += 1
         self._unwatch()
         if self.optimizer_steps < self.warmup:
-            return
-        model = self._find_model(_Together(opts))
+            return False
+        model = self._find_model(opts[0] if len(opts) == 1 else _Together(opts))
         if self.simulated and not any(p.is_meta for p in model.parameters()):
             raise _Stop(_not_moved(model))
         self._trained = [(model, o) for o in opts]
         self._pending = (model, opts)
-        self._start()
+        return True
 
     def _another_optimizer(self, opt: torch.optim.Optimizer) -> None:
         """Another optimizer steps: over the same model (Muon for the matrices and
