@@ -27,7 +27,6 @@ the plans after it, as it does when it ends before every plan ran.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import inspect
 import logging
