@@ -413,6 +413,14 @@ class _Observer:
             return copied
         if best is None and quiet:
             return None
+        if best is None and self._outermost:
+            called = ", ".join(dict.fromkeys(type(_uncompiled(m)).__name__ for m in self._outermost))
+            raise _Stop(
+                f"{type(opt).__name__}.step() ran over {len(wanted)} tensors that are no parameters of the modules "
+                f"the script called ({called}): memprof follows a model through its modules' parameters, and a "
+                "model run functionally over tensors it does not hold (torch.func.functional_call over "
+                "stack_module_state's stacked copies) is not one it can track"
+            )
         if best is None:
             raise _Stop(
                 f"{type(opt).__name__}.step() ran, but no module called before it holds the optimizer's parameters. "

@@ -336,6 +336,32 @@ def test_an_lbfgs_closure_is_not_a_loop_without_an_optimizer(tmp_path, caplog, c
     assert state["old_dirs"] == state["old_stps"] and state["old_dirs"] % flat == 0 and state["old_dirs"] >= 4 * flat
 
 
+def test_an_ensemble_trained_functionally_is_named_for_what_it_is(tmp_path, clean):
+    """PyTorch's model-ensembling recipe, trained: stack_module_state's stacked copies stepped by
+    Adam, the model run by vmap over functional_call of a meta copy. No module holds what the
+    optimizer steps; memprof said to call model(x), not model.forward(x), which the script does."""
+    script = write(tmp_path, """
+        import copy
+        import torch
+        from torch import nn
+        from torch.func import functional_call, stack_module_state, vmap
+        models = [nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)) for _ in range(4)]
+        params, buffers = stack_module_state(models)
+        base = copy.deepcopy(models[0]).to("meta")
+        opt = torch.optim.Adam(params.values(), lr=1e-3)
+        def one(p, b, x):
+            return functional_call(base, (p, b), (x,))
+        for i in range(5):
+            out = vmap(one, in_dims=(0, 0, None))(params, buffers, torch.randn(32, 64))
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    """)
+    with pytest.raises(ScriptError, match=r"Adam.step\(\) ran over 4 tensors that are no parameters of the modules "
+                                          r"the script called \(Sequential\): .* stack_module_state"):
+        observe_script(script, steps=2)
+
+
 def test_a_compiled_model_and_optimizer_step(tmp_path, caplog, clean):
     """torch.compile on the model and on a function that steps the optimizer: memprof's
     hooks stay out of the compiled code (Dynamo traced them: a crash, or steps unseen),
