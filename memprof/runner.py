@@ -298,8 +298,8 @@ class _Observer:
         # inside backward (optimizers stepped in it) is acted on where the backward ends: a
         # plan applied inside it would be undone with the engine's thread state.
         # (Deferred: at the end of the engine's graph task, which still runs, as a GPU's engine thread calls it.)
-        if (not deferred and torch._C._current_graph_task_id() != -1 and self.tracker is not None
-                and self.tracker.step != self._seen_step):
+        if (self.tracker is not None and self.tracker.step != self._seen_step and not deferred
+                and torch._C._current_graph_task_id() != -1):
             if not self._deferred:
                 self._deferred = True
                 _after_backward(sys._getframe(1), self._on_deferred_step)
