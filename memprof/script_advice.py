@@ -599,7 +599,9 @@ class _Watch:
                 for c in ran:
                     del done[c]
                 done[name] = None
-        return [n for n in self._names if n in done]
+        # Inside another recomputed module: a module shared by every layer (one rotary embedding),
+        # named for the first layer holding it, may recompute first inside a later layer's backward.
+        return [n for n in self._names if n in done and not any(n.startswith(r + ".") for r in done)]
 
 
 def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, who: str) -> dict[str, str]:

@@ -1101,3 +1101,39 @@ def test_every_plan_carries_the_cache_layout_the_scripts_first_step_leaves(tmp_p
     assert advice.cache_excess == 40 * MiB
     # the checkpointed step alone, on an emptied cache: 790 MiB; the script's step: 1014 MiB
     assert advice.table["peak_reserved"].to_dict() == {"baseline": 1014 * MiB, "ckpt": 790 * MiB + 40 * MiB}
+
+
+def test_a_module_every_layer_shares_is_not_checkpointed_apart():
+    """One rotary embedding shared by every checkpointed layer (torchtune's habit) is named for
+    the first layer holding it; recomputed first inside the last layer's backward, it was listed
+    as a checkpointed module of its own ("layers.0, layers.0.rope, layers.1, ...")."""
+    from torch.utils.checkpoint import checkpoint
+
+    from memprof.script_advice import _Watch
+
+    class Layer(nn.Module):
+        def __init__(self, rope: nn.Module) -> None:
+            super().__init__()
+            self.rope, self.lin = rope, nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(self.rope(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            rope = nn.Tanh()
+            self.layers = nn.ModuleList(Layer(rope) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return x
+
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    watch = _Watch(net, opt)
+    net(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    opt.step()
+    watch.step()
+    assert watch.close().checkpointed == ["layers.0", "layers.1", "layers.2"]
