@@ -1054,7 +1054,13 @@ class Tracker:
                 # Inputs passed by keyword (Hugging Face's layers: self_attn(hidden_states=...)), which
                 # the process-wide pre-hook is not given: without them its backward never ended.
                 _on_first_grad(kwargs, lambda g, n=name: self._on_backward_end(n), self._step_handles)
-            outs = _on_first_grad(output, lambda g, n=name: self._on_backward_start(n), self._step_handles)
+            # An output that is one of the inputs (nn.Identity, a dropout that does nothing) passed
+            # through: backward reaches it where the module's backward would end, and no further
+            # backward of the module's begins there (its hook would fire after the end's and open
+            # a span nothing closes).
+            passed = [*_tensors(args), *_tensors(kwargs)]
+            made = [t for t in _tensors(output) if not any(t is x for x in passed)]
+            outs = _on_first_grad(made, lambda g, n=name: self._on_backward_start(n), self._step_handles)
             if outer and outs:
                 self._hook_graph(outs)
 

@@ -1224,3 +1224,20 @@ def test_workspaces_give_way_to_tensors_found_later():
     assert counts["workspaces"] == 32 * MiB and counts["temporaries"] == 0
     counts = _counts(totals, 32 * MiB + 64 * MiB + 5 * 32 * MiB, None)  # more than enough: nothing gives way
     assert counts["workspaces"] == 3 * 32 * MiB and counts["temporaries"] == 2 * 32 * MiB
+
+
+def test_modules_that_pass_their_input_through_leave_backward_phases_alone():
+    """nn.Identity and a dropout that drops nothing return their input tensor itself: the hook
+    where their backward ends and the one where it begins sat on one tensor, the end's first, so
+    a span opened that nothing closed and the first Linear's backward was named after the
+    dropout."""
+    model = nn.Sequential(nn.Linear(512, 512), nn.Identity(), nn.Linear(512, 512), nn.Dropout(0.0), nn.Linear(512, 512))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.track(model) as prof:
+        for _ in range(3):
+            model(torch.randn(512, 512)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    timeline = prof.report().timeline
+    phases = [p for p in timeline[timeline.step == timeline.step.max()].phase if p.startswith("backward")]
+    assert list(dict.fromkeys(phases)) == ["backward Sequential.4", "backward Sequential.2", "backward Sequential.0"]
