@@ -506,7 +506,9 @@ class _Watch:
         # Those since any optimizer's last step are the ones the model's step takes: a GAN's
         # generator step also runs backward through the discriminator, whose gradients the
         # next discriminator step's zero_grad throws away.
-        self.backwards, self._pending, self._per_step = 0, 0, []
+        # A second backward of one forward (a multi-task step's ``loss_a.backward(retain_graph=True);
+        # loss_b.backward()``) is not another micro-batch: a backward counts after a forward only.
+        self.backwards, self._pending, self._per_step, self._forward_since = 0, 0, [], False
         first = next((p for p in model.parameters() if p.requires_grad), None)
         if first is not None:
             self._handles.append(first.register_post_accumulate_grad_hook(Shared(self._on_backward)))
@@ -525,6 +527,7 @@ class _Watch:
             return
         self._entry = self._entry or weakref.ref(module)
         self.forwards += 1
+        self._forward_since = True
         if self.forwards == 1:
             self._autocast()
             self.facts.batch = tensor_shapes(_arguments(module, args, kwargs))
@@ -566,7 +569,8 @@ class _Watch:
                                           "parameters")
 
     def _on_backward(self, p: torch.Tensor) -> None:
-        if self._handles:  # not once closed
+        if self._handles and self._forward_since:  # not once closed
+            self._forward_since = False
             self.backwards += 1
             self._pending += 1
 

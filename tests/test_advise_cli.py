@@ -299,6 +299,26 @@ def test_the_watch_counts_micro_batches_by_backward():
     assert watch.close().micro_batches == 1
 
 
+def test_the_watch_counts_two_backwards_of_one_forward_once():
+    """A multi-task step runs backward twice through one forward (``loss_a.backward(retain_graph=True);
+    loss_b.backward()``): one micro-batch a step, not two; two forwards and backwards are two."""
+    from memprof.script_advice import _Watch
+
+    for forwards in (1, 2):
+        net = nn.Linear(3, 4)
+        opt = torch.optim.Adam(net.parameters())
+        watch = _Watch(net, opt)
+        for _ in range(3):
+            for _ in range(forwards):
+                out = net(torch.randn(8, 3))
+                out[:, :2].sum().backward(retain_graph=True)
+                out[:, 2:].sum().backward()
+            opt.step()
+            opt.zero_grad()
+            watch.step()
+        assert watch.close().micro_batches == forwards
+
+
 def test_the_watch_leaves_out_a_gan_generators_backward_through_the_discriminator():
     """A GAN's generator step runs backward through the discriminator (the model watched), whose
     gradients the discriminator's next zero_grad throws away: one micro-batch a step, not two;
