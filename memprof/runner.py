@@ -45,7 +45,7 @@ from .frames import script_modules
 from .hooks import transformed
 from .report import Report
 from .manual_steps import GradientWatch
-from .tracker import Tracker, _uncompiled, track
+from .tracker import _wrapped, Tracker, _uncompiled, track
 
 __all__ = ["ScriptError", "observe_script", "raised"]
 
@@ -107,7 +107,8 @@ class _Observer:
         self._profiling = False
         self._in_backward: list[torch.optim.Optimizer] = []  # optimizers stepped in the running backward
         self._deferred = False  # a step that ended inside backward waits for its end
-        self._stepping = 0  # optimizer steps running (between their pre- and post-hooks)
+        # Optimizers whose step runs (between their pre- and post-hooks), outermost first.
+        self._stepping: list[torch.optim.Optimizer] = []
         self._stack = ExitStack()  # every hook and the tracker: closed in one place
         self.oom_files: tuple[Path, ...] | None = None  # an out-of-memory error's breakdown
 
@@ -207,11 +208,16 @@ class _Observer:
     def _on_step_pre(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         # Forwards inside an optimizer's step are its closure's (L-BFGS evaluates the loss up to
         # max_eval times a step, zeroing the gradients each time): not steps of a loop without one.
-        self._stepping += 1
+        # (A step left by an exception the script caught ends where the same optimizer steps again.)
+        self._stepping = _before(self._stepping, opt) + [opt]
 
     def _on_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        self._stepping = max(self._stepping - 1, 0)
+        self._stepping = _before(self._stepping, opt)
         if transformed():  # captured in a CUDA graph: not run now
+            return
+        if self._stepping:
+            # Inside another optimizer's step: a wrapper's base optimizer (timm's Lookahead, SAM's
+            # base_optimizer), stepped by the wrapper, whose own step is the training step.
             return
         self._check()
         if torch._C._current_graph_task_id() != -1:
@@ -266,8 +272,12 @@ class _Observer:
         call with every optimizer seen (this one ends each step) and every model
         (several as one ``nn.ModuleDict``). Plans (``on_model``) apply to one model
         and its optimizer: advice keeps the first (its facts say what else trains)."""
-        if self.on_model is not None or any(opt is o for _, o in self._trained) or self._trained[0][1] is None:
+        if any(opt is o for _, o in self._trained) or self._trained[0][1] is None:
             return  # (nor where the model trains without one: an optimizer of another model's is not its)
+        if self.on_model is not None or any(o is i for _, o in self._trained for i in _wrapped(opt)):
+            # (A wrapper of a tracked optimizer, whose step PyTorch hooks from its first zero_grad on,
+            # as timm's Lookahead does not call Optimizer.__init__: the tracker counts its state.)
+            return
         model = self._find_model(opt, quiet=True)
         if model is None:
             return
@@ -489,6 +499,12 @@ def _after_backward(frame, then: Callable[[], None]) -> None:
             then()
 
     sys.setprofile(on_return)
+
+
+def _before(stepping: list, opt) -> list:
+    """``stepping`` up to ``opt``'s step, which ends (or begins again), and those inside it."""
+    i = next((i for i, o in enumerate(stepping) if o is opt), len(stepping))
+    return stepping[:i]
 
 
 def _step_frame(frame):

@@ -51,6 +51,7 @@ from .hooks import Shared
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import ScriptError, observe_script, raised
+from .tracker import _wrapped
 from .simulate import _HALF
 from .workload import Workload
 
@@ -401,7 +402,9 @@ class ScriptFacts:
         for p in model.parameters():
             counts[_dtype(p.dtype)] = counts.get(_dtype(p.dtype), 0) + p.numel()
             frozen += 0 if p.requires_grad else p.numel()
-        return cls(optimizer=type(optimizer).__name__ if optimizer is not None else "none", implementation=impl,
+        name = "none" if optimizer is None else type(optimizer).__name__ + "".join(
+            f"({type(o).__name__})" for o in _wrapped(optimizer)[:1])  # a wrapper's base: Lookahead(RAdam)
+        return cls(optimizer=name, implementation=impl,
                    parameters=counts, frozen=frozen, checkpointing_switch=_checkpointing_switch(model), **facts)
 
     @property
@@ -562,6 +565,9 @@ class _Watch:
         if opt in self._optimizers:
             return
         self._optimizers.add(opt)
+        if self._optimizer is not None and self._optimizer() in _wrapped(opt):
+            self.facts.optimizer = f"{type(opt).__name__}({self.facts.optimizer})"  # timm's Lookahead(RAdam)
+            return
         params = [p for g in opt.param_groups for p in g["params"]]
         model = self._model()
         if params and model is not None and not any(params[0] is p for p in model.parameters()):

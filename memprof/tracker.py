@@ -104,6 +104,17 @@ def _on_first_grad(obj: Any, fn, handles: list) -> list[torch.Tensor]:
 
 
 
+def _wrapped(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers ``opt`` holds and steps inside its own step, whose state is the step's too:
+    a wrapper's base optimizer (timm's ``Lookahead(RAdam)``, SAM's ``base_optimizer``)."""
+    found = []
+    for value in vars(opt).values():
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, torch.optim.Optimizer) and v is not opt and not any(v is f for f in found):
+                found += [v, *_wrapped(v)]
+    return found
+
+
 def _state_tensors(value: Any) -> tuple[torch.Tensor, ...]:
     """The tensors of one optimizer state value: a tensor (Adam's ``exp_avg``), or a list of them
     (L-BFGS's curvature history ``old_dirs``, ``old_stps``, which grows to ``history_size``)."""
@@ -373,8 +384,9 @@ class Tracker:
                 self._handles.append(root.register_forward_pre_hook(Shared(self._on_root_pre), with_kwargs=True))
                 self._wrap_zero_grad(root)
             for ref in self._given or ():
-                self._optimizers[ref()] = True
-                self._wrap_zero_grad(ref())
+                for opt in (ref(), *_wrapped(ref())):
+                    self._optimizers[opt] = True
+                    self._wrap_zero_grad(opt)
             if self._given is None:
                 self._watch_manual(model)
             self._wrap_checkpoint_inputs()
@@ -1300,8 +1312,8 @@ class Tracker:
     def _is_ours(self, opt: torch.optim.Optimizer) -> bool:
         known = self._optimizers.get(opt)
         if known is None:
-            if self._given is not None:
-                known = False
+            if self._given is not None:  # or a wrapper of one given (timm's Lookahead, SAM)
+                known = any(ref() in _wrapped(opt) for ref in self._given)
             else:  # an optimizer over the tracked model's parameters
                 led = self._ledger
                 known = any(

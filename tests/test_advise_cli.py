@@ -319,6 +319,36 @@ def test_the_watch_counts_two_backwards_of_one_forward_once():
         assert watch.close().micro_batches == forwards
 
 
+def test_a_wrapper_optimizer_is_named_with_its_base():
+    """timm's Lookahead(RAdam) steps its base inside its own step, its step hooked only from its
+    first zero_grad (it does not call Optimizer.__init__): the facts name both, whichever the
+    script was found with."""
+    from collections import OrderedDict, defaultdict
+
+    from memprof.script_advice import ScriptFacts, _Watch
+
+    class Lookahead(torch.optim.Optimizer):
+        def __init__(self, base):
+            self.base_optimizer, self.param_groups, self.defaults = base, base.param_groups, base.defaults
+            self.state = defaultdict(dict)
+            self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+
+        def step(self, closure=None):
+            return self.base_optimizer.step(closure)
+
+    net = nn.Linear(3, 4)
+    base = torch.optim.RAdam(net.parameters())
+    opt = Lookahead(base)
+    assert ScriptFacts.of(net, opt).optimizer == "Lookahead(RAdam)"
+    watch = _Watch(net, base)
+    for _ in range(3):
+        net(torch.randn(8, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        watch.step()
+    assert watch.close().optimizer == "Lookahead(RAdam)"
+
+
 def test_the_watch_leaves_out_a_gan_generators_backward_through_the_discriminator():
     """A GAN's generator step runs backward through the discriminator (the model watched), whose
     gradients the discriminator's next zero_grad throws away: one micro-batch a step, not two;

@@ -269,6 +269,50 @@ def test_two_optimizers_over_one_model_are_both_tracked(tmp_path, caplog, clean)
                                       "step": 2 * 4}
 
 
+def test_a_wrapper_optimizer_and_its_base_are_one_step(tmp_path, caplog, clean):
+    """timm's (pre-0.9) Lookahead: an Optimizer that wraps Adam without calling Optimizer.__init__,
+    shares its param_groups and steps it inside its own step, keeping a slow copy of each
+    parameter in its own state. Tracking started with Adam, then started again with both; the
+    slow copies were temporaries. Now Adam's step nested in the wrapper's is not another
+    optimizer's, and both states are the model's."""
+    script = write(tmp_path, """
+        from collections import OrderedDict, defaultdict
+        import torch
+        from torch import nn
+        class Lookahead(torch.optim.Optimizer):
+            def __init__(self, base_optimizer, alpha=0.5, k=2):
+                self.base_optimizer = base_optimizer
+                self.param_groups = base_optimizer.param_groups
+                self.defaults = base_optimizer.defaults
+                self.state = defaultdict(dict)
+                self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+                self.alpha, self.k, self.steps = alpha, k, 0
+            def step(self, closure=None):
+                loss = self.base_optimizer.step(closure)
+                self.steps += 1
+                for p in (p for g in self.param_groups for p in g["params"]):
+                    slow = self.state[p].setdefault("slow_buffer", p.detach().clone())
+                    if self.steps % self.k == 0:
+                        slow.add_(p.detach() - slow, alpha=self.alpha)
+                        p.data.copy_(slow)
+                return loss
+        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False))
+        opt = Lookahead(torch.optim.Adam(model.parameters()))
+        for i in range(20):
+            model(torch.randn(64, 512)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    """)
+    with caplog.at_level(logging.INFO, logger="memprof"):
+        report = observe_script(script, steps=2)
+    # Lookahead's step is hooked from its first zero_grad: Adam's first step starts tracking.
+    assert caplog.text.count("tracking Sequential") == 1 and "tracking Sequential with Adam from" in caplog.text
+    assert len(report.steps) == 2
+    # Adam's m and v and Lookahead's slow copy of the two 512x512 fp32 weights; Adam's step counts.
+    assert report.optimizer_state == {"exp_avg": 2 * MiB, "exp_avg_sq": 2 * MiB, "slow_buffer": 2 * MiB, "step": 2 * 4}
+    assert report.peak.bytes["temporaries"] < MiB
+
+
 @pytest.mark.parametrize("thread", ["caller", "engine"])
 def test_optimizers_stepped_in_backward_are_one_step(tmp_path, caplog, clean, monkeypatch, thread):
     """torchtune's optimizer in backward: an AdamW per parameter, stepped and zeroed by a
