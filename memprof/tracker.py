@@ -297,8 +297,8 @@ class Tracker:
         self._handles: list = []  # removed on exit
         # Classes whose zero_grad is wrapped, (class, its own zero_grad or None, the wrapper): restored on exit.
         self._zero_grads: list[tuple[type, Any, Any]] = []
-        # torch.utils.checkpoint's frame class and its own save_inputs, while it is wrapped.
-        self._checkpoint_inputs: tuple[type, Any] | None = None
+        # Classes' methods wrapped while tracking (torch.utils.checkpoint's): (class, name, its own).
+        self._patched: list[tuple[type, str, Any]] = []
         self._step_handles: list = []  # removed at the end of each profiled step
         # Until an optimizer of the model's steps: what sees a step without one (a training
         # loop that updates the parameters itself), and its forward pre-hook. See _on_manual_pre.
@@ -390,6 +390,7 @@ class Tracker:
             if self._given is None:
                 self._watch_manual(model)
             self._wrap_checkpoint_inputs()
+            self._wrap_sac_cache()
             self._wrap_resize()
             self._counters.reset_peak()  # later steps begin where the last one's counters were read and reset
             self._begin_step()
@@ -1082,6 +1083,10 @@ class Tracker:
         pack = self._pack(pack_inner)
         unpack = unpack_inner if unpack_inner is not None else _identity
         pack.memprof_own = True  # it makes no tensors of the device's (virtual_cuda._in_mode)
+        # Seen through by torch.utils.checkpoint (torch >= 2.14) as its own hooks are: the hooks a
+        # selective checkpoint region finds around it are the script's (none: no FutureWarning,
+        # and the tensors it caches are not handed to this hook; _wrap_sac_cache counts them).
+        pack._checkpoint_internal, pack._user_hooks = True, inner
         self._chained = inner is not None
         self._saved_hooks = saved_tensors_hooks(pack, unpack)
         self._saved_hooks.__enter__()
@@ -1092,7 +1097,12 @@ class Tracker:
         push = module._push_saved_tensors_default_hooks
 
         def push_chained(pack_hook: Callable, unpack_hook: Callable) -> None:
-            push(pack_hook if getattr(pack_hook, "memprof_own", False) else self._pack(pack_hook), unpack_hook)
+            if getattr(pack_hook, "memprof_own", False):
+                return push(pack_hook, unpack_hook)
+            chained = self._pack(pack_hook)
+            if getattr(pack_hook, "_checkpoint_internal", False):  # checkpoint's own (see above)
+                chained._checkpoint_internal, chained._user_hooks = True, getattr(pack_hook, "_user_hooks", None)
+            push(chained, unpack_hook)
 
         module._push_saved_tensors_default_hooks = push_chained
         self._pushes = (push, push_chained)
@@ -1159,7 +1169,45 @@ class Tracker:
                 torch._C._autograd._push_saved_tensors_default_hooks(hooks.pack_hook, hooks.unpack_hook)
 
         cls.save_inputs = save_inputs
-        self._checkpoint_inputs = (cls, own)
+        self._patched.append((cls, "save_inputs", own))
+
+    def _wrap_sac_cache(self) -> None:
+        """Count what selective activation checkpointing keeps for backward as activations.
+
+        Its caching dispatch mode (``create_selective_checkpoint_contexts``, torchtitan's
+        per-op policy) keeps the outputs its policy saves in a storage of its own, outside
+        autograd's saved tensors, where no saved-tensors hook sees them: they were
+        temporaries. While tracking, the mode's ``__torch_dispatch__`` (the class's, as for
+        ``save_inputs``) reports each output it kept on the device."""
+        import torch.utils.checkpoint as checkpoint
+
+        cls = getattr(checkpoint, "_CachingTorchDispatchMode", None)
+        if cls is None or "__torch_dispatch__" not in vars(cls):
+            return
+        own = vars(cls)["__torch_dispatch__"]
+        key_of = getattr(checkpoint, "_sac_storage_key", lambda func, args: func)
+        tracker = weakref.ref(self)
+
+        @functools.wraps(own)
+        def dispatch(mode: Any, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            out = own(mode, func, types, args, kwargs)
+            t = tracker()
+            if t is None or not (t._active and t._profiled):
+                return out
+            key = key_of(func, args)
+            kept = mode.storage.get(key)
+            counter = getattr(mode, "func_counter", None)
+            if not kept or counter is None or counter[key] - 1 not in (kept if isinstance(kept, dict) else range(len(kept))):
+                return out  # an op the policy does not see (SAC_IGNORED_OPS)
+            with torch._C.DisableTorchFunction():
+                for w in torch.utils._pytree.tree_leaves(kept[counter[key] - 1]):
+                    v = getattr(w, "val", None)  # checkpoint's _VersionWrapper; _RECOMPUTE has none
+                    if isinstance(v, torch.Tensor) and t._on_device(v):
+                        t._on_saved(v)
+            return out
+
+        cls.__torch_dispatch__ = dispatch
+        self._patched.append((cls, "__torch_dispatch__", own))
 
     def _pop_saved_hooks(self) -> None:
         if self._pushes is not None:
@@ -1517,10 +1565,9 @@ class Tracker:
                     del torch.UntypedStorage.resize_
                 else:
                     torch.UntypedStorage.resize_ = own
-        if self._checkpoint_inputs is not None:
-            cls, own = self._checkpoint_inputs
-            cls.save_inputs = own
-            self._checkpoint_inputs = None
+        while self._patched:
+            cls, name, own = self._patched.pop()
+            setattr(cls, name, own)
         if self._user_view is not None:
             view, self._user_view = self._user_view, None
             view.__exit__(None, None, None)

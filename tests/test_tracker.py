@@ -1241,3 +1241,56 @@ def test_modules_that_pass_their_input_through_leave_backward_phases_alone():
     timeline = prof.report().timeline
     phases = [p for p in timeline[timeline.step == timeline.step.max()].phase if p.startswith("backward")]
     assert list(dict.fromkeys(phases)) == ["backward Sequential.4", "backward Sequential.2", "backward Sequential.0"]
+
+
+class SelectiveBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(512, 512, bias=False), nn.Linear(512, 512, bias=False)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("respect", [None, True])
+def test_selective_checkpointing_keeps_its_saved_outputs_as_activations(respect):
+    """torchtitan's per-op selective checkpointing: the policy saves matrix products and
+    recomputes the rest. Its caching dispatch mode keeps what it saves outside autograd's saved
+    tensors, which were counted nowhere. At the loss, each of two blocks keeps its two mm
+    outputs (512 x 512 fp32, 1 MiB each): 4 MiB of activations. On torch 2.14, memprof's own
+    saved-tensors hooks made the region warn (FutureWarning) and, with
+    respect_saved_tensors_hooks=True, fail in backward ("not found in storage")."""
+    import functools
+    import inspect
+    import warnings
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    options = {} if respect is None else {"respect_saved_tensors_hooks": respect}
+    if options and "respect_saved_tensors_hooks" not in inspect.signature(checkpoint).parameters:
+        pytest.skip("this torch's checkpoint has no respect_saved_tensors_hooks (before 2.14)")
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([SelectiveBlock() for _ in range(2)])
+
+        def forward(self, x):
+            context = functools.partial(create_selective_checkpoint_contexts, policy)
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False, context_fn=context, **options)
+            return x
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(), memprof.track(model) as prof:
+        warnings.simplefilter("error", FutureWarning)
+        for _ in range(3):
+            model(torch.randn(512, 512)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    timeline = prof.report().timeline
+    step = timeline[timeline.step == timeline.step.max()]
+    assert list(step[step.phase == "loss"].activations) == [4 * MiB]
