@@ -511,10 +511,15 @@ class _Watch:
         # next discriminator step's zero_grad throws away.
         # A second backward of one forward (a multi-task step's ``loss_a.backward(retain_graph=True);
         # loss_b.backward()``) is not another micro-batch: a backward counts after a forward only.
+        # Nor is a pass whose gradients are reset before the next one (SAM's first_step(zero_grad=True)
+        # between its two passes, PGD's zero_grad after its attack's passes): a pass counts where the
+        # first parameter's gradient is still the one the pass before it left.
         self.backwards, self._pending, self._per_step, self._forward_since = 0, 0, [], False
+        self._left: tuple[weakref.ref, int] | None = None  # that gradient, and its version then
         first = next((p for p in model.parameters() if p.requires_grad), None)
         if first is not None:
-            self._handles.append(first.register_post_accumulate_grad_hook(Shared(self._on_backward)))
+            self._handles += [first.register_hook(Shared(functools.partial(self._on_gradient, weakref.ref(first)))),
+                              first.register_post_accumulate_grad_hook(Shared(self._on_backward))]
         self._model = weakref.ref(model)
         self._handles += [m.register_forward_pre_hook(Shared(functools.partial(self._on_module, name)))
                           for name, m in model.named_modules() if name]
@@ -574,7 +579,16 @@ class _Watch:
             self.facts.also_trains.append(f"{type(opt).__name__} over {sum(p.numel() for p in params) / 1e6:.2f} M "
                                           "parameters")
 
+    def _on_gradient(self, first: weakref.ref, grad: torch.Tensor) -> None:
+        """Before a pass's gradient is accumulated: the passes before it were thrown away where
+        the gradient they left is gone (set to None, replaced) or was changed in place (zeroed)."""
+        p, left = first(), self._left
+        if p is not None and left is not None and (p.grad is None or p.grad is not left[0]() or p.grad._version != left[1]):
+            self._pending = 0
+
     def _on_backward(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._left = weakref.ref(p.grad), p.grad._version
         if self._handles and self._forward_since:  # not once closed
             self._forward_since = False
             self.backwards += 1

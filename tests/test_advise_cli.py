@@ -319,6 +319,36 @@ def test_the_watch_counts_two_backwards_of_one_forward_once():
         assert watch.close().micro_batches == forwards
 
 
+@pytest.mark.parametrize("habit", ["sam", "pgd", "pgd-set-to-zero"])
+def test_passes_whose_gradients_are_reset_are_not_micro_batches(habit):
+    """SAM runs two forward and backward passes a step and zeroes the gradients between them
+    (first_step(zero_grad=True)); PGD adversarial training runs backward through the model for
+    each attack iteration, then zero_grad, then the training pass. Each was taken for gradient
+    accumulation (2, 4 micro-batches), and its advice said to raise an accumulation the script
+    does not have. A pass counts where the gradient the pass before left is still there."""
+    from memprof.script_advice import _Watch
+
+    net = nn.Linear(3, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    watch = _Watch(net, opt)
+    for _ in range(3):
+        x = torch.randn(8, 3)
+        if habit == "sam":
+            net(x).square().sum().backward()
+            opt.zero_grad()  # first_step(zero_grad=True), after moving to the worst case near the weights
+            net(x).square().sum().backward()
+        else:
+            delta = torch.zeros_like(x, requires_grad=True)
+            for _ in range(3):  # the attack: backward through the model, its gradients accumulated
+                net(x + delta).square().sum().backward()
+                delta = (delta + delta.grad.sign()).detach().requires_grad_(True)
+            opt.zero_grad(set_to_none=habit == "pgd")
+            net(x + delta.detach()).square().sum().backward()
+        opt.step()
+        watch.step()
+    assert watch.close().micro_batches == 1
+
+
 def test_a_wrapper_optimizer_is_named_with_its_base():
     """timm's Lookahead(RAdam) steps its base inside its own step, its step hooked only from its
     first zero_grad (it does not call Optimizer.__init__): the facts name both, whichever the
