@@ -201,7 +201,9 @@ class CudaRuntime:
             for pool in ("all", "large_pool", "small_pool"):
                 stats[f"{key}.{pool}.current"] = current if pool == "all" else 0
                 stats[f"{key}.{pool}.peak"] = peak if pool == "all" else 0
-        stats.update(num_alloc_retries=0, num_ooms=0, num_sync_all_streams=0)
+        m = self.allocator.model
+        stats.update(num_alloc_retries=m.num_alloc_retries, num_ooms=m.num_ooms, num_sync_all_streams=0,
+                     num_device_alloc=m.num_device_alloc, num_device_free=m.num_device_free)
         return stats
 
     def memory_summary(self) -> str:

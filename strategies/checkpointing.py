@@ -91,6 +91,9 @@ _KEEP = [
     torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    # The kernel SDPA picks on Hopper GPUs for 16-bit inputs (memprof.sdpa); recomputing it
+    # would cost the attention's flops again.
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
 ]
 
 

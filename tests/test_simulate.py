@@ -207,6 +207,22 @@ def test_scripts_see_the_target():
     assert torch.cuda.is_available() is False or torch.cuda.get_device_name() != "RTX4090-24GB"
 
 
+def test_an_out_of_memory_error_a_script_catches_is_counted_as_on_a_gpu():
+    """A batch-size search (Accelerate's find_executable_batch_size) catches the error, empties
+    the cache and tries a smaller batch; memory_stats() counts the error, as CUDA's does."""
+    from memprof.simulate import SimulatedAllocator, usable_bytes
+
+    gpu = memprof.get_gpu("rtx4090")
+    with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu, capacity=usable_bytes(gpu))):
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="CUDA out of memory. Tried to allocate 32.00 GiB"):
+            torch.empty(2**33, device="cuda")  # 32 GiB of fp32
+        torch.cuda.empty_cache()
+        kept = torch.empty(2**18, device="cuda")  # 1 MiB
+        stats = torch.cuda.memory_stats()
+        assert (stats["num_ooms"], stats["allocated_bytes.all.current"]) == (1, MiB)
+        assert stats["num_device_alloc"] == 1 and kept.is_meta
+
+
 def test_legacy_cuda_tensor_types():
     """``Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor`` (PyTorch-GAN's
     habit): constructors, ``isinstance`` and ``.type(...)`` on the simulated GPU."""
