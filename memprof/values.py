@@ -27,10 +27,11 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from .aten_args import leaves, map_leaves, tensors
 
-__all__ = ["LIMIT", "UnknownValues", "Values"]
+__all__ = ["HOST_FLOPS", "LIMIT", "UnknownValues", "Values"]
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +39,29 @@ log = logging.getLogger(__name__)
 #: batch, scalars, small index tensors.
 LIMIT = 1 << 20
 
+#: Most arithmetic (torch.utils.flop_counter's count) an operator may cost the host to follow
+#: its values: a small output can take much work (a small network's convolutions and their
+#: backward, in fp16, which the host computes slowly), and the values steps branch on come
+#: from cheap operators (masks, indices, a router's product of a few experts' columns).
+HOST_FLOPS = 1 << 24
+
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
 
 
 class UnknownValues(RuntimeError):
     """An operator needs values that the simulation does not have."""
+
+
+def _flops(func, args: tuple, kwargs: dict, out: Any) -> int:
+    """The operator's arithmetic by PyTorch's flop counter; 0 for those it does not count."""
+    count = flop_registry.get(func._overloadpacket)
+    if count is None:
+        return 0
+    try:
+        return int(count(*args, **kwargs, out_val=out))
+    except Exception:  # a counter that rejects these arguments: not a contraction it knows
+        return 0
 
 
 def _writes(func) -> tuple[int, ...]:
@@ -233,7 +251,7 @@ class Values(TorchDispatchMode):
         # A factory has no inputs to be unknown (torch.randn of a batch): the size of what it
         # makes decides, so the host never computes a large tensor.
         known = known and all(o.layout is torch.strided and o.untyped_storage().nbytes() <= limit
-                              for o in tensors(out) if o.is_meta)
+                              for o in tensors(out) if o.is_meta) and _flops(func, args, kwargs, out) <= HOST_FLOPS
         if known:
             try:
                 result = func(*map_leaves(self._cpu, args), **_host(map_leaves(self._cpu, kwargs)))
