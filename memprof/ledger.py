@@ -58,7 +58,7 @@ class Ledger:
     collector's next scan of the whole heap closer (at a few hundred ms for a
     large model's process). So neither an entry nor a change is an object the
     collector tracks: an entry is a tuple of ints and strings, the journal
-    one flat list of three items a change (category, module, bytes), and
+    one flat list of four items a change (category, module, detail, bytes), and
     every weak reference calls back the same bound method.
     """
 
@@ -74,10 +74,10 @@ class Ledger:
         # Bytes of a category that no storage of ours holds (see set_fixed).
         self._fixed: dict[Category, int] = {}
 
-    def _change(self, category: Category, module: str, nbytes: int) -> None:
+    def _change(self, category: Category, module: str, nbytes: int, detail: str = "") -> None:
         self.totals[category] += nbytes
         if self._journal is not None:
-            self._journal += (category, module, nbytes)
+            self._journal += (category, module, detail, nbytes)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -107,18 +107,18 @@ class Ledger:
         key = weakref.ref(storage)
         old = entries.get(key)
         if old is not None:
-            index, old_module, _, nbytes = old
+            index, old_module, old_detail, nbytes = old
             if not replace or (_CATEGORIES[index] is category and old_module == module):
                 return 0
-            self._change(_CATEGORIES[index], old_module, -nbytes)
+            self._change(_CATEGORIES[index], old_module, -nbytes, old_detail)
             entries[key] = (_INDEX[category], module, detail, nbytes)  # the dict keeps its key, with the callback
-            self._change(category, module, nbytes)
+            self._change(category, module, nbytes, detail)
             return nbytes
         nbytes = storage_bytes(storage, self.block)
         entries[weakref.ref(storage, self._on_free)] = (_INDEX[category], module, detail, nbytes)
         self.totals[category] += nbytes  # _change, inlined: this runs for every saved tensor
         if self._journal is not None:
-            self._journal += (category, module, nbytes)
+            self._journal += (category, module, detail, nbytes)
         return nbytes
 
     def resize(self, storage: torch.UntypedStorage) -> None:
@@ -130,7 +130,7 @@ class Ledger:
             index, module, detail, old = entry
             nbytes = storage_bytes(storage, self.block)
             if nbytes != old:
-                self._change(_CATEGORIES[index], module, nbytes - old)
+                self._change(_CATEGORIES[index], module, nbytes - old, detail)
                 self._entries[key] = (index, module, detail, nbytes)
 
     def _forget(self, key: weakref.ref) -> None:
@@ -139,7 +139,7 @@ class Ledger:
             category = _CATEGORIES[entry[0]]
             self.totals[category] -= entry[3]  # _change, inlined
             if self._journal is not None:
-                self._journal += (category, entry[1], -entry[3])
+                self._journal += (category, entry[1], entry[2], -entry[3])
 
     def set_fixed(self, category: Category, nbytes: int) -> None:
         """Attribute ``nbytes`` to ``category`` without a storage (memory a
@@ -169,14 +169,19 @@ class Ledger:
         """Current bytes per category (a copy, safe to keep)."""
         return {c: b for c, b in self.totals.items() if b}
 
-    def group(self, category: Category, by: str = "module") -> dict[str, int]:
-        """Bytes of one category grouped by ``module`` or ``detail``."""
+    def group(self, category: Category, by: str = "module", mark: int | None = None) -> dict[str, int]:
+        """Bytes of one category grouped by ``module`` or ``detail``: now, or as they were at ``mark``."""
         index, field = _INDEX[category], {"module": 1, "detail": 2}[by]
         out: dict[str, int] = defaultdict(int)
         for entry in list(self._entries.values()):
             if entry[0] == index:
                 out[entry[field]] += entry[3]
-        return dict(out)
+        journal = self._journal
+        if mark is not None and journal is not None:
+            for i in range(mark, len(journal), 4):  # undo what came after the mark
+                if journal[i] is category:
+                    out[journal[i + field]] -= journal[i + 3]
+        return {k: b for k, b in out.items() if b}
 
     # -- the journal -----------------------------------------------------------
     def open_journal(self) -> None:
@@ -213,8 +218,8 @@ class Ledger:
             out[("", category)] += nbytes
         journal = self._journal
         if mark is not None and journal is not None:
-            for i in range(mark, len(journal), 3):  # undo what came after the mark
-                out[(journal[i + 1], journal[i])] -= journal[i + 2]
+            for i in range(mark, len(journal), 4):  # undo what came after the mark
+                out[(journal[i + 1], journal[i])] -= journal[i + 3]
         return {k: b for k, b in out.items() if b}
 
     def drop(self, *categories: Category) -> None:

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .allocator import counters_for
 from .categories import ALLOCATED, Category
@@ -338,6 +339,10 @@ class Tracker:
         self._done = False  # whether a cheap step has passed its peak's interval (see _Plan)
         # The model's parameters with their owner and name, found by full steps.
         self._params: list[tuple[weakref.ref, str, str]] = []
+        # The same, by parameter: its storage changes where the script sets ``p.data`` (SAM's second
+        # step puts back the weights it kept), and the new storage is still the module's parameter.
+        self._param_names: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # (owner, name) by parameter
+        self._state_only: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # see _refresh_state
         # Over-step module columns, measured by full steps.
         self._saved_over_step: dict[str, int] = defaultdict(int)
         self._fwd_delta: dict[str, int] = defaultdict(int)
@@ -678,7 +683,7 @@ class Tracker:
             self._reported = peak
             if self._full:
                 self._modules = self._module_rows(led.by_module(mark))
-                self._optimizer_state = led.group(Category.OPTIMIZER_STATE, by="detail")
+                self._optimizer_state = led.group(Category.OPTIMIZER_STATE, by="detail", mark=mark)
                 self._other_models = led.group(Category.OTHER_MODELS, by="detail")
             elif peak.allocated > best.allocated:
                 # A cheap step names storages by the few modules it hooks: the
@@ -741,6 +746,7 @@ class Tracker:
         if full:
             model = _uncompiled(self._model())
             self._params = [(weakref.ref(p), _owner(root, name), name) for name, p in model.named_parameters()]
+            self._param_names = WeakTensorKeyDictionary((ref(), (owner, name)) for ref, owner, name in self._params)
             for name, b in model.named_buffers():
                 if self._on_device(b):
                     led.add(_storage(b), Category.BUFFERS, _owner(root, name), name)
@@ -748,17 +754,26 @@ class Tracker:
             for ref, owner, name in self._params:
                 p = ref()
                 if p is not None and self._on_device(p):
-                    led.add(_storage(p), Category.PARAMETERS, owner, name)
+                    led.add(_storage(p), Category.PARAMETERS, owner, name, replace=True)
         self._refresh_gradients()
         if full:
             for opt in self._own_optimizers():
                 self._record_optimizer_state(opt)
             found = script_variables(sys._getframe(1))
             names = dict((id(v), n) for n, v in found)
+            own = self._own_optimizers()
             for name, v in found:
                 if isinstance(v, nn.Module):
                     if v not in self._outside and v not in self._names:
                         self._adopt_other(v, names)
+                elif (isinstance(v, torch.optim.Optimizer) and v not in self._optimizers
+                      and any(o in own for o in _wrapped(v))):
+                    # A wrapper whose own step() the script never calls (SAM's first_step and
+                    # second_step step its base optimizer): its state is the model's all the same,
+                    # made between the base's steps (the weights SAM keeps while it perturbs them).
+                    self._optimizers[v] = True
+                    self._state_only.add(v)
+                    self._record_optimizer_state(v)
                 elif isinstance(v, (list, tuple, dict)) and len(v) == len(self._params):
                     self._record_copy(name, list(v.values()) if isinstance(v, dict) else v)
             for module, name in list(self._others.items()):
@@ -836,7 +851,13 @@ class Tracker:
                 if not (isinstance(p, torch.Tensor) and self._on_device(p)):
                     continue
                 entry = led.get(_storage(p))
-                if entry is None or entry.detail == _OWN:
+                known = self._param_names.get(p)
+                if known is not None and (entry is None or entry.category is not Category.PARAMETERS):
+                    # The model's parameter, given another storage since it was recorded (p.data = ...).
+                    led.add(_storage(p), Category.PARAMETERS, *known, replace=True)
+                    if p.grad is not None and self._on_device(p.grad):
+                        led.add(_storage(p.grad), Category.GRADIENTS, *known, replace=True)
+                elif entry is None or entry.detail == _OWN:
                     # The optimizer's own parameters, which no module of the model holds: fp32 master
                     # weights kept by hand (fairseq's FP16Optimizer: one flat tensor), a learnable
                     # temperature; and the gradients the script gives them.
@@ -941,6 +962,9 @@ class Tracker:
         if not self._active or transformed() or module not in self._names:  # see _on_pre; a copy
             return  # of the root (copy.deepcopy: an EMA), which shares its hook
         self._forwards += 1
+        if self._profiled and not self._recompute:
+            for opt in self._state_only:  # (see _refresh_state)
+                self._record_optimizer_state(opt, changed=True)
         # Inputs passed by keyword (Hugging Face's model(**batch)): the process-wide
         # pre-hook that names the positional ones (_on_pre, which ran first) sees no kwargs.
         if kwargs and self._profiled and not self._recompute and self._fwd:
@@ -1352,9 +1376,10 @@ class Tracker:
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
         g = p.grad
         if g is not None and self._on_device(g):
-            owner = self._ledger.get(_storage(p))
+            known = self._param_names.get(p)
+            owner = known[0] if known is not None else getattr(self._ledger.get(_storage(p)), "module", None)
             if owner is not None:  # else a copy's parameter (copy.deepcopy of the model), its hook shared
-                self._ledger.add(_storage(g), Category.GRADIENTS, owner.module, replace=True)
+                self._ledger.add(_storage(g), Category.GRADIENTS, owner, replace=True)
 
     # -- hooks: optimizer ------------------------------------------------------
     def _is_ours(self, opt: torch.optim.Optimizer) -> bool:

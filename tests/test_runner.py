@@ -313,6 +313,53 @@ def test_a_wrapper_optimizer_and_its_base_are_one_step(tmp_path, caplog, clean):
     assert report.peak.bytes["temporaries"] < MiB
 
 
+def test_a_wrapper_that_steps_its_base_by_other_methods_keeps_its_state(tmp_path, clean):
+    """SAM (davda54/sam): first_step keeps each weight (``state[p]["old_p"]``) and perturbs it,
+    second_step puts the weight back (``p.data = old_p``) and steps the base SGD; SAM's own
+    step() is never called. The kept weights, alive through the second forward and backward,
+    were temporaries, and after ``p.data = old_p`` every module row lost its parameters."""
+    script = write(tmp_path, """
+        import torch
+        from torch import nn
+        class SAM(torch.optim.Optimizer):
+            def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+                super().__init__(params, dict(rho=rho, **kwargs))
+                self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+                self.param_groups = self.base_optimizer.param_groups
+            @torch.no_grad()
+            def first_step(self, zero_grad=False):
+                norm = torch.norm(torch.stack([p.grad.norm(p=2) for g in self.param_groups for p in g["params"]]), p=2)
+                for group in self.param_groups:
+                    scale = group["rho"] / (norm + 1e-12)
+                    for p in group["params"]:
+                        self.state[p]["old_p"] = p.data.clone()
+                        p.add_(p.grad * scale.to(p))
+                if zero_grad:
+                    self.zero_grad()
+            @torch.no_grad()
+            def second_step(self, zero_grad=False):
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.data = self.state[p]["old_p"]
+                self.base_optimizer.step()
+                if zero_grad:
+                    self.zero_grad()
+        model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False))
+        optimizer = SAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        for i in range(20):
+            x = torch.randn(64, 512)
+            model(x).square().mean().backward()
+            optimizer.first_step(zero_grad=True)
+            model(x).square().mean().backward()
+            optimizer.second_step(zero_grad=True)
+    """)
+    report = observe_script(script, steps=2)
+    assert len(report.steps) == 2
+    # SGD's momentum and SAM's kept weights, two 512x512 fp32 weights each; the weights in their modules.
+    assert report.optimizer_state == {"momentum_buffer": 2 * MiB, "old_p": 2 * MiB}
+    assert report.modules.loc[["Sequential.0", "Sequential.2"], "parameters"].tolist() == [MiB, MiB]
+
+
 @pytest.mark.parametrize("thread", ["caller", "engine"])
 def test_optimizers_stepped_in_backward_are_one_step(tmp_path, caplog, clean, monkeypatch, thread):
     """torchtune's optimizer in backward: an AdamW per parameter, stepped and zeroed by a

@@ -1294,3 +1294,26 @@ def test_selective_checkpointing_keeps_its_saved_outputs_as_activations(respect)
     timeline = prof.report().timeline
     step = timeline[timeline.step == timeline.step.max()]
     assert list(step[step.phase == "loss"].activations) == [4 * MiB]
+
+
+def test_parameters_given_new_storage_by_the_script_keep_their_module():
+    """SAM's second step puts back the weights it kept (``p.data = old_p``): each parameter
+    then lives in another storage, which was recorded as the optimizer's own parameter, owned
+    by no module: every module row lost its parameters and gradients from the next step on."""
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with memprof.track(model, opt, every=1, full=True) as prof:  # every step profiled in full
+        for _ in range(4):
+            nn.functional.cross_entropy(model(torch.randn(512, 256)), torch.randint(0, 10, (512,))).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.data = p.data.clone()
+            opt.step()
+            opt.zero_grad()
+    report = prof.report()
+    first, last = (256 * 1024 + 1024) * 4, (1024 * 10 + 10) * 4
+    assert report.modules.loc[["Sequential.0", "Sequential.2"], "parameters"].tolist() == [first, last]
+    assert report.peak.bytes["parameters"] == first + last
+    # The peak: the ReLU's backward, the last Linear's gradients made, not yet the first's.
+    assert report.peak.phase == "backward Sequential.1"
+    assert report.modules.loc[["Sequential.0", "Sequential.2"], "gradients"].tolist() == [0, last]
