@@ -370,6 +370,9 @@ class ScriptFacts:
     micro_batches: int = 1
     #: Modules whose forward runs again in backward (activation checkpointing).
     checkpointed: list[str] = field(default_factory=list)
+    #: Whether that checkpointing is selective: a policy keeps some operators' outputs
+    #: (``create_selective_checkpoint_contexts``, torchtitan's per-op mode).
+    selective_checkpointing: bool = False
     #: The optimizer's class and implementation ("fused", "foreach", "for-loop", or "default").
     optimizer: str = ""
     implementation: str = ""
@@ -420,7 +423,8 @@ class ScriptFacts:
                                    f"{self.forward_dtype} parameters in forward" if self.forward_dtype else
                                    "none (fp32 compute)"),
             f"micro-batches per optimizer step: {self.micro_batches}",
-            f"checkpointed: {', '.join(_short_list(self.checkpointed)) if self.checkpointed else 'nothing'}",
+            f"checkpointed: {', '.join(_short_list(self.checkpointed)) if self.checkpointed else 'nothing'}"
+            + (" (selective: its policy keeps some operators' outputs)" if self.selective_checkpointing else ""),
             f"optimizer: {self.optimizer} ({self.implementation})" if not self.in_backward else
             f"optimizer: {self.in_backward} x {self.optimizer} ({self.implementation}), stepped in backward as each "
             "gradient is made",
@@ -557,8 +561,14 @@ class _Watch:
                                  if p is not None and p.dtype in _HALF), None)
                     self.facts.forward_dtype = half and _dtype(half)
         elif not any(name.startswith(r + ".") for r in self.recomputed):
-            # A module run while autograd computes gradients is recomputed: activation checkpointing.
+            # A module run while autograd computes gradients is recomputed: activation checkpointing;
+            # selective where checkpoint's cached-outputs mode replays what its policy kept.
             self.recomputed[name] = None
+            if not self.facts.selective_checkpointing:
+                from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+                self.facts.selective_checkpointing = any(
+                    type(m).__name__ == "_CachedTorchDispatchMode" for m in _get_current_dispatch_mode_stack())
 
     def _on_optimizer(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
         if self._optimizer is not None and opt is self._optimizer() and self._handles:
@@ -660,7 +670,10 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
         elif facts.forward_dtype and any(isinstance(s, Autocast) for s in strategies):
             out[name] = f"the {who}'s forward already computes with {facts.forward_dtype} parameters"
         elif covered and any(isinstance(s, Checkpointing) for s in strategies):
-            out[name] = f"the {who} already checkpoints the repeated blocks"
+            out[name] = f"the {who} already checkpoints the repeated blocks" + (
+                ", selectively: to recompute all of each block, make its policy return "
+                "CheckpointPolicy.PREFER_RECOMPUTE for every operator (torchtitan: activation checkpointing mode "
+                "'full')" if facts.selective_checkpointing else "")
         elif facts.optimizer == "none" and any(isinstance(s, ZeRO) for s in strategies):
             out[name] = f"the {who} updates the parameters itself: no optimizer's state to shard or offload"
     return out

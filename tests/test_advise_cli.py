@@ -45,7 +45,7 @@ def check_schema(data: dict) -> None:
     assert isinstance(data["code_change"], list) and all(isinstance(c, str) for c in data["code_change"])
     assert data["script_does"] is None or set(data["script_does"]) == {
         "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch",
-        "also_trains", "checkpointing_switch", "in_backward"}
+        "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing"}
     assert isinstance(data["cache_excess_bytes"], int) and data["cache_excess_bytes"] >= 0
     assert isinstance(data["skipped"], dict) and isinstance(data["failed"], dict)
     assert data["plans"] and data["plans"][0]["plan"] == (data["best"] or data["plans"][0]["plan"])
@@ -347,6 +347,50 @@ def test_passes_whose_gradients_are_reset_are_not_micro_batches(habit):
         opt.step()
         watch.step()
     assert watch.close().micro_batches == 1
+
+
+def test_the_watch_tells_selective_checkpointing():
+    """torchtitan's per-op checkpointing keeps what its policy names and recomputes the rest:
+    recomputed modules as with full checkpointing, told apart, and full checkpointing is not
+    called done without saying how to get it."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from memprof.script_advice import _Watch, what_is_done
+    from memprof.strategies import Checkpointing
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    class Block(nn.Sequential):
+        pass
+
+    for selective in (False, True):
+        context = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)} if selective else {}
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = nn.ModuleList([Block(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)])
+
+            def forward(self, x):
+                for block in self.blocks:
+                    x = checkpoint(block, x, use_reentrant=False, **context)
+                return x
+
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        watch = _Watch(net, opt)
+        for _ in range(2):
+            net(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            watch.step()
+        facts = watch.close()
+        assert facts.checkpointed == ["blocks.0", "blocks.1"] and facts.selective_checkpointing is selective
+        done = what_is_done({"ckpt": [Checkpointing()]}, facts, net, "script")["ckpt"]
+        assert done.startswith("the script already checkpoints the repeated blocks")
+        assert ("PREFER_RECOMPUTE" in done) is selective
 
 
 def test_a_wrapper_optimizer_is_named_with_its_base():
