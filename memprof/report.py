@@ -182,11 +182,12 @@ class Report:
 
     ``peak`` is the breakdown at the highest peak among the profiled steps
     (the *reported step* is that peak's step); ``optimizer_state`` bytes per
-    state name (Adam's ``exp_avg`` and ``exp_avg_sq`` apart) at the end of the
-    reported step; ``other_models`` the bytes of each module outside the tracked
+    state name (Adam's ``exp_avg`` and ``exp_avg_sq`` apart) at that peak;
+    ``other_models`` the bytes of each module outside the tracked
     model that the script keeps on the device, by the name the script holds it
     by (the ``other_models`` category); ``timeline`` the samples of the last profiled steps;
-    ``steps`` one row per step.
+    ``steps`` one row per step (its ``seconds`` from the end of the step before, less the
+    model's calls without gradients: a validation loop between steps is not the step's).
 
     ``modules`` has one row per module, indexed by its path (the root's class
     name, then ``named_modules()``'s name), parents before their children.

@@ -157,6 +157,15 @@ def _checkpoint_frame() -> type | None:
     return cls if cls is not None and "save_inputs" in vars(cls) else None
 
 
+def _seconds(spans: list[tuple[Any, Any]]) -> float:
+    """A step's seconds from its (start, end), less its evaluations' (start, end) after it:
+    clock readings, or CUDA events the device has passed."""
+    (start, end), *evaluations = spans
+    if isinstance(end, (int, float)):
+        return end - start - sum(e - s for s, e in evaluations)
+    return (start.elapsed_time(end) - sum(s.elapsed_time(e) for s, e in evaluations)) / 1000
+
+
 class _Span:
     """A module's forward or backward in a profiled step: where it began, its highest point."""
 
@@ -320,6 +329,10 @@ class Tracker:
         self._forwards = 0
         self._profiled = False
         self._t0 = 0.0
+        # The step's evaluations: the model called without gradients (a validation loop every few
+        # steps), (start, end) by _now(); the one running, its start. Left out of the step's time.
+        self._evaluations: list[tuple[Any, Any]] = []
+        self._evaluating: Any = None
         # Bounded, so that a run of any length costs the same host memory.
         self._steps: deque[tuple] = deque(maxlen=history)
         self._last: Breakdown | None = None
@@ -386,7 +399,8 @@ class Tracker:
             self._handles.append(register_optimizer_step_post_hook(torch.compiler.disable(self._on_optimizer_post)))
             for ref in self._roots:
                 root = ref()
-                self._handles.append(root.register_forward_pre_hook(Shared(self._on_root_pre), with_kwargs=True))
+                self._handles += [root.register_forward_pre_hook(Shared(self._on_root_pre), with_kwargs=True),
+                                  root.register_forward_hook(Shared(self._on_root_post), always_call=True)]
                 self._wrap_zero_grad(root)
             for ref in self._given or ():
                 for opt in (ref(), *_wrapped(ref())):
@@ -537,6 +551,7 @@ class Tracker:
         if self._profiled:
             self._start_profile()
         self._t0 = self._now()
+        self._evaluations = []
 
     def _now(self) -> Any:
         # A profiled step's time is its kernels', not how far ahead of them the
@@ -552,14 +567,16 @@ class Tracker:
     def _resolve_time(self) -> None:
         """The latest step's seconds, if its end is an event: by now (a step later,
         or a report) the device has passed it, or soon will."""
-        if self._steps and isinstance(self._steps[-1][-1], tuple):
-            *row, (start, end) = self._steps[-1]
-            end.synchronize()
-            self._steps[-1] = (*row, start.elapsed_time(end) / 1000)
+        if self._steps and isinstance(self._steps[-1][-1], list):
+            *row, spans = self._steps[-1]
+            spans[0][1].synchronize()
+            self._steps[-1] = (*row, _seconds(spans))
 
     def _end_step(self) -> None:
         end = self._now()
-        seconds = end - self._t0 if isinstance(end, (int, float)) else (self._t0, end)  # events: resolved later
+        # Events (a profiled step on a GPU) are resolved later; evaluations in the step are left out.
+        spans = [(self._t0, end), *self._evaluations]
+        seconds = _seconds(spans) if isinstance(end, (int, float)) else spans
         self._resolve_time()
         if self._profiled:
             self._finish_profile()
@@ -962,6 +979,8 @@ class Tracker:
         if not self._active or transformed() or module not in self._names:  # see _on_pre; a copy
             return  # of the root (copy.deepcopy: an EMA), which shares its hook
         self._forwards += 1
+        if not torch.is_grad_enabled() and self._evaluating is None and not self._recompute:
+            self._evaluating = self._now()  # an evaluation (see _on_root_post)
         if self._profiled and not self._recompute:
             for opt in self._state_only:  # (see _refresh_state)
                 self._record_optimizer_state(opt, changed=True)
@@ -972,6 +991,11 @@ class Tracker:
             for t in _tensors(kwargs):
                 if self._on_device(t):
                     self._ledger.add(_storage(t), Category.INPUTS, name)
+
+    def _on_root_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._evaluating is not None and self._active and not torch.is_grad_enabled():
+            self._evaluations.append((self._evaluating, self._now()))
+        self._evaluating = None
 
     def _enter_in_forward(self, model: nn.Module, args: tuple) -> "Tracker":
         """Enter from inside ``model``'s forward pre-hooks, which PyTorch has
@@ -1040,7 +1064,8 @@ class Tracker:
         self._names[module] = name
         self._by_name[name] = weakref.ref(module)
         if any(ref() is inner for ref in self._roots):
-            self._handles.append(module.register_forward_pre_hook(Shared(self._on_root_pre), with_kwargs=True))
+            self._handles += [module.register_forward_pre_hook(Shared(self._on_root_pre), with_kwargs=True),
+                              module.register_forward_hook(Shared(self._on_root_post), always_call=True)]
             self._on_root_pre(module, args, {})  # this call's hooks were gathered before that one
         return name
 

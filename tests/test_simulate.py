@@ -223,6 +223,37 @@ def test_an_out_of_memory_error_a_script_catches_is_counted_as_on_a_gpu():
         assert stats["num_device_alloc"] == 1 and kept.is_meta
 
 
+def test_evaluation_between_steps_is_not_the_steps_time():
+    """A validation loop every few steps (the model called under no_grad) fell into the next
+    step's time: an advisor that judges each plan by one step ranked them by where the
+    validations fell. A step's seconds leave the model's calls without gradients out."""
+    from memprof.simulate import simulate
+
+    def run(evaluate: bool):
+        def setup():
+            model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)).cuda()
+            opt = torch.optim.AdamW(model.parameters())
+            x = torch.randn(256, 1024, device="cuda")
+
+            def step():
+                if evaluate:
+                    model.eval()
+                    with torch.no_grad():
+                        for _ in range(3):
+                            model(x)
+                    model.train()
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+
+            return model, opt, step
+
+        return simulate(setup, target="h100", steps=3).steps["seconds"].tolist()
+
+    plain, evaluated = run(False), run(True)
+    assert evaluated == pytest.approx(plain, rel=1e-9) and plain[-1] > 0
+
+
 def test_legacy_cuda_tensor_types():
     """``Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor`` (PyTorch-GAN's
     habit): constructors, ``isinstance`` and ``.type(...)`` on the simulated GPU."""
