@@ -219,6 +219,14 @@ class Values(TorchDispatchMode):
                 out = func(*args, **kwargs)
                 self.assume(out, value != (name in _NEGATIONS))
                 return out
+        if not known and name in _SUCCEEDS:
+            out = func(*args, **kwargs)
+            info = out[-1]
+            if _whole(info, self.limit):
+                self._keep(info, torch.zeros(info.shape, dtype=info.dtype, device=_CPU))
+                _note("linalg info", "a factorization's info of values not followed: taken as success (0), as for "
+                      "a well-conditioned matrix (a Cholesky with a jitter retry tries once)")
+            return out
         if not known and name in _ASSUMED_TRUE:
             out = func(*args, **kwargs)
             if out.dim() == 0 and self.assume(out, True):
@@ -480,6 +488,10 @@ def _spread(func, args: tuple, kwargs: dict, indices: torch.Tensor) -> torch.Ten
 #: mixture). ``all()`` keeps the made-up False of any other truth: a decoding loop's ``if
 #: done.all(): break`` runs on to its length, an upper bound.
 _ASSUMED_TRUE = {"aten::any"}
+#: Factorizations and solves that report failure in an ``info`` tensor, their last output,
+#: instead of raising (GPyTorch's psd_safe_cholesky retries with more jitter while it is not 0).
+_SUCCEEDS = {"aten::linalg_cholesky_ex", "aten::linalg_inv_ex", "aten::linalg_lu_factor_ex",
+             "aten::linalg_ldl_factor_ex", "aten::linalg_solve_ex"}
 #: What a truth tensor of one value everywhere (Values.assume) answers: the same value, negated
 #: for the negations.
 _NEGATIONS = {"aten::logical_not", "aten::bitwise_not"}

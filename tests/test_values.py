@@ -303,3 +303,22 @@ def test_a_criterion_met_is_known_whatever_it_is_ored_with():
             unfinished = torch.ones(4, dtype=torch.long, device="cuda") * (~eos).long()  # unknown
             assert (unfinished & ~done).max().item() == 0
         assert not bool((torch.full((4,), False, device="cuda") | eos).all())  # unknown: bool() is False
+
+
+def test_a_factorization_of_values_not_followed_succeeds():
+    """GPyTorch's psd_safe_cholesky runs cholesky_ex and adds jitter while its info is not 0
+    (then raises NotPSDError): info of a matrix whose values are not followed was any()'s
+    "true" and item()'s made-up 1, so every try failed and the step stopped. It is 0 now, a
+    well-conditioned matrix's, and the loop goes on at its first try."""
+    with VirtualCUDA("h200"):
+        x = torch.randn(2048, 64, device="cuda")
+        a = x @ x.T + torch.eye(2048, device="cuda")  # 16 MiB: values not followed
+        tries = 0
+        for jitter in (1e-6, 1e-5, 1e-4):
+            tries += 1
+            factor, info = torch.linalg.cholesky_ex(a + jitter * torch.eye(2048, device="cuda"))
+            if not torch.any(info):
+                break
+        assert tries == 1 and info.item() == 0 and factor.shape == (2048, 2048)
+        inverse, info = torch.linalg.inv_ex(a)
+        assert not bool(info) and inverse.is_meta
