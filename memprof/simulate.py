@@ -442,6 +442,8 @@ class SimulatedAllocator(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return self._higher_order(func, args, kwargs)
+        if func._overloadpacket in _NO_HALF:
+            _no_half(func, args)
         out, cost = KERNELS.run(func, args, kwargs, _cost)
         cudnn = None
         if func in CONVOLUTIONS and args[1].is_meta:
@@ -571,6 +573,26 @@ def _compressed_indices(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if t.layout in (torch.sparse_csr, torch.sparse_bsr):
         return t.crow_indices(), t.col_indices()
     return t.ccol_indices(), t.row_indices()
+
+
+#: Factorizations and solves: CUDA runs them (cuSOLVER, MAGMA, cuBLAS's trsm) in float32, float64
+#: and complex only, where PyTorch's meta kernels accept 16-bit inputs too (a kernel matrix made
+#: under bf16 autocast, then factorized).
+_NO_HALF = {getattr(torch.ops.aten, name) for name in (
+    "linalg_cholesky_ex", "cholesky", "cholesky_solve", "cholesky_inverse", "linalg_solve_triangular",
+    "triangular_solve", "linalg_lu_factor_ex", "linalg_lu", "linalg_lu_solve", "linalg_inv_ex", "_linalg_solve_ex",
+    "linalg_ldl_factor_ex", "linalg_ldl_solve", "_linalg_eigh", "linalg_eig", "_linalg_svd", "linalg_qr",
+    "geqrf", "ormqr", "linalg_householder_product", "_linalg_det", "_linalg_slogdet", "linalg_lstsq",
+) if hasattr(torch.ops.aten, name)}
+
+
+def _no_half(func, args: tuple) -> None:
+    """Raise CUDA's error for a 16-bit input to a factorization or solve."""
+    half = next((t.dtype for t in tensors(args) if t.is_meta and t.dtype in (torch.float16, torch.bfloat16)), None)
+    if half is not None:
+        kind = {torch.float16: "Half", torch.bfloat16: "BFloat16"}[half]
+        raise RuntimeError(f'"{func._overloadpacket.__name__}_cuda" not implemented for \'{kind}\' (simulated: '
+                           "CUDA factorizes and solves in float32, float64 or complex; cast the matrix with .float())")
 
 
 class StepCounters(NamedTuple):

@@ -254,6 +254,24 @@ def test_evaluation_between_steps_is_not_the_steps_time():
     assert evaluated == pytest.approx(plain, rel=1e-9) and plain[-1] > 0
 
 
+def test_a_factorization_in_16_bits_fails_as_on_cuda():
+    """A kernel matrix made under bf16 autocast and then factorized: PyTorch's meta kernels
+    take it, CUDA's do not (float32, float64 and complex only), so a bf16 plan of an exact
+    Gaussian process looked as if it ran."""
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = memprof.get_gpu("h200")
+    with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)):
+        x = torch.randn(256, 8, device="cuda")
+        assert torch.linalg.cholesky(x @ x.T).shape == (256, 256)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            kernel = x @ x.T
+            with pytest.raises(RuntimeError, match="\"linalg_cholesky_ex_cuda\" not implemented for 'BFloat16'"):
+                torch.linalg.cholesky(kernel)
+        with pytest.raises(RuntimeError, match="not implemented for 'Half'"):
+            torch.linalg.solve_triangular(kernel.half(), x.half(), upper=False)
+
+
 def test_legacy_cuda_tensor_types():
     """``Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor`` (PyTorch-GAN's
     habit): constructors, ``isinstance`` and ``.type(...)`` on the simulated GPU."""
