@@ -411,6 +411,11 @@ class ScriptFacts:
                    parameters=counts, frozen=frozen, checkpointing_switch=_checkpointing_switch(model), **facts)
 
     @property
+    def compute(self) -> str:
+        """The dtype most parameters have (the forward computes in it without autocast)."""
+        return max(self.parameters, key=self.parameters.get) if self.parameters else "fp32"
+
+    @property
     def batch_size(self) -> int | None:
         """Samples per forward: the first dimension of its first tensor argument."""
         return next((shape[0] for shape, _ in self.batch.values() if shape), None)
@@ -421,7 +426,7 @@ class ScriptFacts:
         out = [
             "mixed precision: " + (f"{self.autocast} autocast" if self.autocast else
                                    f"{self.forward_dtype} parameters in forward" if self.forward_dtype else
-                                   "none (fp32 compute)"),
+                                   f"none ({self.compute} compute)"),
             f"micro-batches per optimizer step: {self.micro_batches}",
             f"checkpointed: {', '.join(_short_list(self.checkpointed)) if self.checkpointed else 'nothing'}"
             + (" (selective: its policy keeps some operators' outputs)" if self.selective_checkpointing else ""),
@@ -585,7 +590,9 @@ class _Watch:
             return
         params = [p for g in opt.param_groups for p in g["params"]]
         model = self._model()
-        if params and model is not None and not any(params[0] is p for p in model.parameters()):
+        # (An optimizer of the host's parameters, a large embedding table kept in host memory, takes no GPU memory.)
+        if (params and model is not None and not any(params[0] is p for p in model.parameters())
+                and params[0].device.type != "cpu"):
             self.facts.also_trains.append(f"{type(opt).__name__} over {sum(p.numel() for p in params) / 1e6:.2f} M "
                                           "parameters")
 
@@ -665,7 +672,9 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
         if facts.optimizer == "ZeroRedundancyOptimizer" and any(s.stage == 1 for s in zero):
             out[name] = f"the {who}'s ZeroRedundancyOptimizer shards the optimizer's state already (ZeRO stage 1)"
             continue
-        if facts.autocast and any(isinstance(s, Autocast) for s in strategies):
+        if facts.compute == "fp64" and any(isinstance(s, Autocast) for s in strategies):
+            out[name] = f"the {who}'s parameters are fp64, which autocast leaves as they are (it casts fp32 only)"
+        elif facts.autocast and any(isinstance(s, Autocast) for s in strategies):
             out[name] = f"the {who} already runs its forward under {facts.autocast} autocast"
         elif facts.forward_dtype and any(isinstance(s, Autocast) for s in strategies):
             out[name] = f"the {who}'s forward already computes with {facts.forward_dtype} parameters"

@@ -273,6 +273,29 @@ def test_the_script_watch_sees_checkpointing_accumulation_and_the_optimizer():
     assert facts.also_trains == ["SGD over 0.01 M parameters"]  # 1000 x 10 + 10, once
 
 
+def test_an_fp64_model_is_not_offered_autocast_nor_a_host_optimizer_as_another_model():
+    """A Gaussian process in float64 with an embedding table on the host: autocast leaves fp64
+    alone (the bf16 plans changed nothing), the header said "fp32 compute", and SparseAdam over
+    the host's table was called another model's, whose memory would be the GPU's temporaries."""
+    from memprof.script_advice import ScriptFacts, _Watch, what_is_done
+    from memprof.strategies import Accumulation, Autocast
+
+    net = nn.Linear(3, 4).double()
+    table = nn.Embedding(100, 4, sparse=True)  # on the host, as the script keeps it
+    opt, host = torch.optim.Adam(net.parameters()), torch.optim.SparseAdam(table.parameters())
+    watch = _Watch(net, opt)
+    for _ in range(2):
+        (net(torch.randn(8, 3, dtype=torch.float64)).sum() + table(torch.tensor([1, 2])).sum()).backward()
+        opt.step()
+        host.step()
+        watch.step()
+    facts = watch.close()
+    assert facts.also_trains == [] and facts.compute == "fp64" and facts.lines()[0] == "mixed precision: none (fp64 compute)"
+    done = what_is_done({"bf16": [Autocast("bf16")], "accum2": [Accumulation(2)]}, facts, net, "script")
+    assert done == {"bf16": "the script's parameters are fp64, which autocast leaves as they are (it casts fp32 only)"}
+    assert ScriptFacts(parameters={"fp32": 10, "fp64": 2}).compute == "fp32"
+
+
 def test_a_zero_redundancy_optimizer_is_stage_one_done():
     """A script whose optimizer is ZeroRedundancyOptimizer shards its state already: stage 1 is
     not offered again; stage 2 (gradients too) is."""
