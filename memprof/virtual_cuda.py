@@ -372,11 +372,18 @@ def _scalar(vc: "VirtualCUDA", t: torch.Tensor, name: str) -> Any:
     known = vc.values.shadow(t)
     if known is not None:
         return getattr(known, name)()
+    if t.numel() != 1:  # PyTorch's own errors
+        raise RuntimeError("Boolean value of Tensor with more than one value is ambiguous" if name == "__bool__"
+                           else f"a Tensor with {t.numel()} elements cannot be converted to Scalar")
     if name == "__bool__" or t.dtype is torch.bool:
-        return False
-    if name in ("__int__", "__index__") or not t.is_floating_point():
-        return 1
-    return 1.0
+        value: Any = False
+    elif name in ("__int__", "__index__") or not t.is_floating_point():
+        value = 1
+    else:
+        value = 1.0
+    # The type the protocol asks for: float() of an integer tensor (the pruning tutorial's
+    # float(torch.sum(w == 0))) must return a float, int() of a float tensor an int.
+    return float(value) if name == "__float__" else int(value) if name in ("__int__", "__index__") else value
 
 
 def _host_copy(vc: "VirtualCUDA", t: torch.Tensor, wait: bool = True) -> torch.Tensor:

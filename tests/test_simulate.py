@@ -200,6 +200,11 @@ def test_scripts_see_the_target():
         big = torch.ones(1 << 20, device="cuda")  # 4 MiB: values are not followed
         assert big.sum().item() == 1.0  # .item() answers 1
         assert not bool(big.sum() > 0)  # and truth tests False,
+        # float() a float and int() an int whatever the dtype (the pruning tutorial's float(torch.sum(w == 0)))
+        assert (float((big == 0).sum()), int(big.sum()), float(big.sum() > 0)) == (1.0, 1, 0.0)
+        assert type(float((big == 0).sum())) is float and type(int(big.sum())) is int
+        with pytest.raises(RuntimeError, match="a Tensor with 1048576 elements cannot be converted to Scalar"):
+            float(big)
         assert bool(big.any())  # but any(): a mask selects something
         assert torch.tensor(5.0).item() == 5.0  # real host tensors keep their values
         moved = torch.ones(2).cuda()
