@@ -373,6 +373,9 @@ class ScriptFacts:
     #: Whether that checkpointing is selective: a policy keeps some operators' outputs
     #: (``create_selective_checkpoint_contexts``, torchtitan's per-op mode).
     selective_checkpointing: bool = False
+    #: Tensors the model's forward returned that the script passes back to its next forward
+    #: (Transformer-XL's memory, a recurrent state): most seen in one call.
+    carried_state: int = 0
     #: The optimizer's class and implementation ("fused", "foreach", "for-loop", or "default").
     optimizer: str = ""
     implementation: str = ""
@@ -506,6 +509,7 @@ class _Watch:
         # to run outside another is the step's entry (as memprof.script_advice applies plans).
         self._entry: weakref.ref | None = None
         self._open: list[bool] = []  # per entry forward running: whether it counts
+        self._outputs: list[weakref.ref] = []  # the last counted forward's output tensors
         self._entries = weakref.WeakSet(_entries(model))  # (a copy of the model shares their hooks)
         for m in _entries(model):
             self._handles += [m.register_forward_pre_hook(Shared(self._on_entry), with_kwargs=True),
@@ -545,13 +549,17 @@ class _Watch:
         self._entry = self._entry or weakref.ref(module)
         self.forwards += 1
         self._forward_since = True
+        carried = [t for t in torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                   if isinstance(t, torch.Tensor) and any(t is r() for r in self._outputs)]
+        self.facts.carried_state = max(self.facts.carried_state, len(carried))
         if self.forwards == 1:
             self._autocast()
             self.facts.batch = tensor_shapes(_arguments(module, args, kwargs))
 
     def _on_entry_end(self, module, args, output) -> None:
-        if self._handles and self._open:
-            self._open.pop()
+        if self._handles and self._open and self._open.pop():
+            # What the model returns, to tell the state a script passes back to its next forward.
+            self._outputs = [weakref.ref(t) for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
 
     def _on_module(self, name: str, module, args) -> None:
         if torch._C._current_graph_task_id() == -1:
@@ -590,9 +598,11 @@ class _Watch:
             return
         params = [p for g in opt.param_groups for p in g["params"]]
         model = self._model()
-        # (An optimizer of the host's parameters, a large embedding table kept in host memory, takes no GPU memory.)
-        if (params and model is not None and not any(params[0] is p for p in model.parameters())
-                and params[0].device.type != "cpu"):
+        # (An optimizer of the host's parameters, a large embedding table kept in host memory while the
+        # model trains on the GPU, takes no GPU memory.)
+        mine = next(model.parameters(), None) if model is not None else None
+        if (params and mine is not None and not any(params[0] is p for p in model.parameters())
+                and params[0].device.type == mine.device.type):
             self.facts.also_trains.append(f"{type(opt).__name__} over {sum(p.numel() for p in params) / 1e6:.2f} M "
                                           "parameters")
 
@@ -662,6 +672,12 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
         if fsdp and zero:
             out[name] = (f"the {who} shards the model already ({fsdp}): memprof's sharding and state offload "
                          "plans are for an unsharded model; FSDP's own CPUOffload offloads its shards")
+            continue
+        if facts.carried_state and any(isinstance(s, Accumulation) for s in strategies):
+            out[name] = (f"the {who} passes {facts.carried_state} of the model's outputs back to its next forward (a "
+                         "memory of earlier segments, a recurrent state): micro-batches cut from the batch would cut "
+                         "that state too; split along the batch dimension with a state per micro-batch (Transformer-XL's "
+                         "batch_chunk)")
             continue
         if facts.in_backward and (zero or any(isinstance(s, Accumulation) for s in strategies)):
             # torchtune refuses accumulation with optimizer_in_bwd for the same reason.

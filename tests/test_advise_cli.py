@@ -45,7 +45,7 @@ def check_schema(data: dict) -> None:
     assert isinstance(data["code_change"], list) and all(isinstance(c, str) for c in data["code_change"])
     assert data["script_does"] is None or set(data["script_does"]) == {
         "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch",
-        "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing"}
+        "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing", "carried_state"}
     assert isinstance(data["cache_excess_bytes"], int) and data["cache_excess_bytes"] >= 0
     assert isinstance(data["skipped"], dict) and isinstance(data["failed"], dict)
     assert data["plans"] and data["plans"][0]["plan"] == (data["best"] or data["plans"][0]["plan"])
@@ -280,20 +280,55 @@ def test_an_fp64_model_is_not_offered_autocast_nor_a_host_optimizer_as_another_m
     from memprof.script_advice import ScriptFacts, _Watch, what_is_done
     from memprof.strategies import Accumulation, Autocast
 
-    net = nn.Linear(3, 4).double()
-    table = nn.Embedding(100, 4, sparse=True)  # on the host, as the script keeps it
-    opt, host = torch.optim.Adam(net.parameters()), torch.optim.SparseAdam(table.parameters())
-    watch = _Watch(net, opt)
-    for _ in range(2):
-        (net(torch.randn(8, 3, dtype=torch.float64)).sum() + table(torch.tensor([1, 2])).sum()).backward()
-        opt.step()
-        host.step()
-        watch.step()
-    facts = watch.close()
+    from memprof.virtual_cuda import VirtualCUDA
+
+    with VirtualCUDA("h200"):
+        net = nn.Linear(3, 4).double().cuda()
+        table = nn.Embedding(100, 4, sparse=True)  # on the host, as the script keeps it
+        opt, host = torch.optim.Adam(net.parameters()), torch.optim.SparseAdam(table.parameters())
+        watch = _Watch(net, opt)
+        for _ in range(2):
+            pooled = table(torch.tensor([1, 2])).sum().cuda()
+            (net(torch.randn(8, 3, dtype=torch.float64, device="cuda")).sum() + pooled).backward()
+            opt.step()
+            host.step()
+            watch.step()
+        facts = watch.close()
     assert facts.also_trains == [] and facts.compute == "fp64" and facts.lines()[0] == "mixed precision: none (fp64 compute)"
     done = what_is_done({"bf16": [Autocast("bf16")], "accum2": [Accumulation(2)]}, facts, net, "script")
     assert done == {"bf16": "the script's parameters are fp64, which autocast leaves as they are (it casts fp32 only)"}
     assert ScriptFacts(parameters={"fp32": 10, "fp64": 2}).compute == "fp32"
+
+
+def test_state_the_model_gets_back_is_not_cut_into_micro_batches():
+    """Transformer-XL passes the memory its forward returns back to its next forward, as long as
+    the segment (dim 0): accumulation plans cut it with the batch, then measured later plans on
+    the shrunken memory, and the recommended accum2 did not fit when run."""
+    from memprof.script_advice import _Watch, what_is_done
+    from memprof.strategies import Accumulation, Checkpointing
+
+    class Recurrent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cell = nn.Linear(8, 8)
+
+        def forward(self, x, *mems):
+            h = self.cell(x) + (mems[0] if mems else 0)
+            return [h.square().mean(), h.detach()]
+
+    net = Recurrent()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    watch = _Watch(net, opt)
+    mems = ()
+    for _ in range(3):
+        loss, *mems = net(torch.randn(16, 8), *mems)
+        loss.backward()
+        opt.step()
+        watch.step()
+    facts = watch.close()
+    assert facts.carried_state == 1
+    done = what_is_done({"accum2": [Accumulation(2)], "ckpt": [Checkpointing(blocks=["cell"])]}, facts, net, "script")
+    assert list(done) == ["accum2"] and "back to its next forward" in done["accum2"]
 
 
 def test_a_zero_redundancy_optimizer_is_stage_one_done():
