@@ -46,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack as _function_modes
 from torch.utils._pytree import tree_map
 
-from .advisor import Advice, PlanFactory, _adjusted, _progress, _spread, _step_view, default_plans, parse_budget, plan_table, rank
+from .advisor import Advice, PlanFactory, _adjusted, _name, _progress, _spread, _step_view, default_plans, parse_budget, plan_table, rank
 from .hooks import Shared
 from .devices import GPU, get_gpu
 from .report import Report
@@ -1046,10 +1046,30 @@ def advise_script(
             if key:  # a plan's step ran on an emptied cache; a run of it from its start would not (on_step)
                 pred = replace(pred, peak_reserved=pred.peak_reserved + schedule.cache_excess)
             preds[name] = _adjusted(pred, strategies, baseline, gpu)
+    _coupled_batches(built, preds, schedule.skipped)
     table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin)
     return ScriptAdvice(nbytes, gpu, world_size, table, baseline, plans, script=str(path), simulated=simulate,
                         applied=built, facts=schedule.facts, failed=schedule.failed, skipped=schedule.skipped,
                         cache_excess=schedule.cache_excess)
+
+
+def _coupled_batches(built: dict[str, list], preds: dict, skipped: dict[str, str]) -> None:
+    """Leave out the accumulation plans predicted much faster than the same plan without it.
+
+    K micro-batches do the step's work K times on a K-th of the batch: no faster than the whole
+    batch at once, unless the step's work grows faster than its batch because its samples
+    interact (an exact Gaussian process's kernel matrix over the batch and its Cholesky, N^3):
+    then each micro-batch computes another objective, not a part of the same one."""
+    from memprof.strategies import Accumulation
+
+    for name, strategies in built.items():
+        plain = _name([s for s in strategies if not isinstance(s, Accumulation)])
+        if name in preds and plain != name and plain in preds and preds[name].seconds < 0.8 * preds[plain].seconds:
+            skipped[name] = (f"{name} is predicted {preds[plain].seconds / preds[name].seconds:.1f}x faster than "
+                             f"{plain}: the step's work grows faster than its batch (its samples interact: a kernel "
+                             "matrix, a factorization over the batch), so micro-batches would compute another "
+                             "objective, not split this one")
+            del preds[name]
 
 
 def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> dict:

@@ -331,6 +331,25 @@ def test_state_the_model_gets_back_is_not_cut_into_micro_batches():
     assert list(done) == ["accum2"] and "back to its next forward" in done["accum2"]
 
 
+def test_accumulation_much_faster_than_the_whole_batch_is_left_out():
+    """An exact Gaussian process factorizes a kernel matrix over its batch (N^3): accum4 was
+    predicted 5x faster than the step as it is, and recommended, though four GPs of a quarter
+    of the points each are another model. K micro-batches are never much faster than one."""
+    from types import SimpleNamespace
+
+    from memprof.script_advice import _coupled_batches
+    from memprof.strategies import Accumulation, Autocast
+
+    built = {"baseline": [], "accum4": [Accumulation(4)], "bf16": [Autocast("bf16")],
+             "bf16+accum2": [Autocast("bf16"), Accumulation(2)]}
+    preds = {n: SimpleNamespace(seconds=s) for n, s in
+             (("baseline", 1.0), ("accum4", 0.2), ("bf16", 0.5), ("bf16+accum2", 0.45))}
+    skipped: dict = {}
+    _coupled_batches(built, preds, skipped)
+    assert list(preds) == ["baseline", "bf16", "bf16+accum2"] and list(skipped) == ["accum4"]
+    assert skipped["accum4"].startswith("accum4 is predicted 5.0x faster than baseline: the step's work grows")
+
+
 def test_a_zero_redundancy_optimizer_is_stage_one_done():
     """A script whose optimizer is ZeroRedundancyOptimizer shards its state already: stage 1 is
     not offered again; stage 2 (gradients too) is."""
