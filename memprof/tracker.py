@@ -402,6 +402,10 @@ class Tracker:
                 self._handles += [root.register_forward_pre_hook(Shared(self._on_root_pre), with_kwargs=True),
                                   root.register_forward_hook(Shared(self._on_root_post), always_call=True)]
                 self._wrap_zero_grad(root)
+            # Parameters and buffers a tracked module registers while tracked (the pruning
+            # tutorial's prune.global_unstructured: weight_orig and weight_mask, between steps).
+            self._handles += [nn.modules.module.register_module_buffer_registration_hook(self._on_buffer),
+                              nn.modules.module.register_module_parameter_registration_hook(self._on_parameter)]
             for ref in self._given or ():
                 for opt in (ref(), *_wrapped(ref())):
                     self._optimizers[opt] = True
@@ -991,6 +995,18 @@ class Tracker:
             for t in _tensors(kwargs):
                 if self._on_device(t):
                     self._ledger.add(_storage(t), Category.INPUTS, name)
+
+    def _on_buffer(self, module: nn.Module, name: str, buffer: Any) -> None:
+        owner = self._names.get(module)
+        if owner is not None and self._active and isinstance(buffer, torch.Tensor) and self._on_device(buffer):
+            self._ledger.add(_storage(buffer), Category.BUFFERS, owner, name, replace=True)
+
+    def _on_parameter(self, module: nn.Module, name: str, param: Any) -> None:
+        owner = self._names.get(module)
+        if owner is not None and self._active and isinstance(param, torch.Tensor) and self._on_device(param):
+            self._params.append((weakref.ref(param), owner, name))
+            self._param_names[param] = owner, name
+            self._ledger.add(_storage(param), Category.PARAMETERS, owner, name, replace=True)
 
     def _on_root_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._evaluating is not None and self._active and not torch.is_grad_enabled():

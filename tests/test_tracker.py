@@ -1317,3 +1317,24 @@ def test_parameters_given_new_storage_by_the_script_keep_their_module():
     # The peak: the ReLU's backward, the last Linear's gradients made, not yet the first's.
     assert report.peak.phase == "backward Sequential.1"
     assert report.modules.loc[["Sequential.0", "Sequential.2"], "gradients"].tolist() == [0, last]
+
+
+def test_buffers_and_parameters_registered_while_tracked_are_the_modules():
+    """The pruning tutorial prunes between steps: prune.l1_unstructured moves each weight to a
+    parameter weight_orig and registers a buffer weight_mask (as large). The masks were
+    activations (the multiply saves them) and temporaries, the module's buffers empty."""
+    import torch.nn.utils.prune as prune
+
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.track(model, opt, every=1, full=True) as prof:
+        for i in range(4):
+            if i == 3:  # in the last step, after it began: its peak is the highest, with the mask
+                prune.l1_unstructured(model[0], "weight", amount=0.5)
+            model(torch.randn(64, 512)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    report = prof.report()
+    assert report.peak.step == 3
+    assert report.modules.loc["Sequential.0", "buffers"] == MiB  # weight_mask, 512 x 512 fp32
+    assert report.modules.loc["Sequential.0", "parameters"] == MiB + 512 * 4  # weight_orig and the bias
