@@ -120,6 +120,26 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "optim-in-backward": (".", "optim_in_backward.py", [], ()),
     "pinn-burgers": (".", "pinn_burgers.py", [], ()),
     "whisper-finetune": (".", "whisper_finetune.py", [], ()),
+    "sam-resnet": (".", "sam_resnet.py", ["--batch-size", "256", "--width-factor", "8", "--depth", "16",
+                                          "--max-steps", "10"], ()),
+    "adversarial-pgd": (".", "adversarial_pgd.py", ["--batch-size", "256", "--width", "64", "--max-steps", "10"], ()),
+    "lookahead-param": (".", "lookahead_param.py", ["--batch-size", "2048", "--hidden", "512", "--steps", "10"], ()),
+    "multitask-hooks": (".", "multitask_hooks.py", ["--batch-size", "1024", "--dim", "512", "--depth", "8",
+                                                    "--steps", "10"], ()),
+    "titan-meta-init": (".", "titan_meta_init.py", ["--dim", "2048", "--n-layers", "8", "--n-heads", "16",
+                                                    "--n-kv-heads", "8", "--vocab-size", "32000", "--seq-len", "2048",
+                                                    "--batch-size", "4", "--steps", "10"], ()),
+    "memdebug-oom-retry": (".", "memdebug_oom_retry.py", ["--steps", "6", "--snapshot", "/tmp/memprof-memdebug.pickle"],
+                           ()),
+    "prune-finetune": (".", "prune_finetune.py", ["--batch-size", "128", "--image-size", "224", "--num-classes", "1000",
+                                                  "--max-steps", "10"], ()),
+    "transformer-xl-mems": (".", "transformer_xl_mems.py", [
+        "--n_layer", "12", "--d_model", "512", "--n_head", "8", "--d_head", "64", "--d_inner", "2048", "--tgt_len", "512",
+        "--mem_len", "512", "--eval-tgt-len", "128", "--batch_size", "16", "--n_token", "32000",
+        "--n-tokens-data", "2000000", "--max-steps", "10"], ()),
+    "gp-deep-kernel": (".", "gp_deep_kernel.py", ["--n-train", "16384", "--max-steps", "10"], ()),
+    "hybrid-cpu-embedding": (".", "hybrid_cpu_embedding.py", ["--top-mlp", "4096-4096-4096-256", "--batch-size", "16384",
+                                                              "--num-samples", "65536", "--max-steps", "10"], ()),
 }
 
 

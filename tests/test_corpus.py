@@ -83,6 +83,20 @@ SMALL = {
     "pinn_burgers.py": ["--n-u", "200", "--n-f", "2000", "--width", "32", "--depth", "2"],
     "whisper_finetune.py": ["--d-model", "64", "--layers", "2", "--heads", "4", "--ffn-dim", "128",
                             "--per-device-train-batch-size", "2", "--max-label-length", "16"],
+    "sam_resnet.py": ["--batch-size", "32", "--width-factor", "2", "--depth", "10"],
+    "adversarial_pgd.py": ["--batch-size", "32", "--width", "16"],
+    "lookahead_param.py": ["--batch-size", "32", "--hidden", "256"],
+    "multitask_hooks.py": ["--batch-size", "32", "--dim", "128", "--depth", "4"],
+    "titan_meta_init.py": ["--dim", "256", "--n-layers", "4", "--n-heads", "8", "--n-kv-heads", "4",
+                           "--vocab-size", "8192", "--seq-len", "512", "--batch-size", "8"],
+    "memdebug_oom_retry.py": ["--d-model", "128", "--ffn-dim", "256", "--n-layers", "2", "--seq-len", "128",
+                              "--start-batch-size", "131072"],
+    "prune_finetune.py": ["--batch-size", "16", "--image-size", "64", "--num-classes", "10"],
+    "transformer_xl_mems.py": ["--n_layer", "4", "--d_model", "128", "--n_head", "4", "--d_head", "32",
+                               "--d_inner", "512", "--tgt_len", "64", "--mem_len", "64", "--eval-tgt-len", "32",
+                               "--batch_size", "8", "--n_token", "10000", "--n-tokens-data", "200000"],
+    "gp_deep_kernel.py": ["--n-train", "2048"],
+    "hybrid_cpu_embedding.py": ["--top-mlp", "1024-1024-512-256", "--batch-size", "2048", "--num-samples", "16384"],
 }
 
 
