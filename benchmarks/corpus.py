@@ -140,6 +140,10 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "gp-deep-kernel": (".", "gp_deep_kernel.py", ["--n-train", "16384", "--max-steps", "10"], ()),
     "hybrid-cpu-embedding": (".", "hybrid_cpu_embedding.py", ["--top-mlp", "4096-4096-4096-256", "--batch-size", "16384",
                                                               "--num-samples", "65536", "--max-steps", "10"], ()),
+    "efficientnet-swish": (".", "efficientnet_swish.py", ["--batch-size", "256", "--image-size", "224", "--max-steps", "10"],
+                           ()),
+    "glow-flow": (".", "glow_flow.py", ["--img-size", "64", "--n-flow", "32", "--n-block", "4", "--filter-size", "512",
+                                        "--max-steps", "10"], ()),
 }
 
 

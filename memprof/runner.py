@@ -340,8 +340,9 @@ class _Observer:
         try:
             if self.on_model is not None:  # e.g. the advisor applying a plan to the script's model
                 self.on_model(model, opts[0] if opts else None)
-            tracker = track(model, opts if len(opts) > 1 else opts[0] if opts else None, warmup=self.steps, every=1,
-                            timeline_steps=self.steps, full=True)
+            # (Made as Python too: the step may end inside a compiled function, see below.)
+            tracker = torch.compiler.disable(track)(model, opts if len(opts) > 1 else opts[0] if opts else None,
+                                                    warmup=self.steps, every=1, timeline_steps=self.steps, full=True)
             # As Python, even where the step returns inside a compiled function (torch.compile
             # of a function that steps the optimizer): Dynamo would trace memprof's own code.
             if forward_args is None:

@@ -333,6 +333,7 @@ class Tracker:
         # steps), (start, end) by _now(); the one running, its start. Left out of the step's time.
         self._evaluations: list[tuple[Any, Any]] = []
         self._evaluating: Any = None
+        self._no_grad_call: weakref.ref | None = None  # the module called without gradients, running (_on_pre)
         # Bounded, so that a run of any length costs the same host memory.
         self._steps: deque[tuple] = deque(maxlen=history)
         self._last: Breakdown | None = None
@@ -1035,12 +1036,20 @@ class Tracker:
             entered, self._entered = self._entered, None
             if args is entered:  # this call's hook already ran where its step began (_on_manual_pre)
                 return
+        if self._no_grad_call is not None:
+            return  # inside an evaluation (below)
         name = self._call_name(module) or self._adopt_compiled(module, args)
         if name is None:  # a module outside the tracked model: part of its caller
             if module not in self._outside:
                 self._adopt_other(module)
             return
         outer = not self._fwd
+        if outer and not torch.is_grad_enabled() and torch._C._current_autograd_node() is None:
+            # The model (or a part of it: a flow's reverse() sampling) called without gradients
+            # between steps: an evaluation, which keeps nothing for backward. Its memory falls in
+            # the phase it interrupts; its modules are no forward of the step, its arguments no inputs.
+            self._no_grad_call = weakref.ref(module)
+            return
         if outer:
             # A forward that begins while autograd runs a node is a checkpointed
             # module's recomputation (torch.utils.checkpoint, either kind).
@@ -1097,6 +1106,10 @@ class Tracker:
         # always_call hook without kwargs then.
         kwargs, output = rest if len(rest) == 2 else ({}, rest[0])
         if not self._active or self._done or transformed():  # see _on_pre
+            return
+        if self._no_grad_call is not None:
+            if self._no_grad_call() is module:
+                self._no_grad_call = None
             return
         paths = self._paths.get(module) if self._paths else None
         name = self._fwd[-1].name if paths and self._fwd and self._fwd[-1].name in paths.values() else (

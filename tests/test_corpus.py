@@ -97,6 +97,8 @@ SMALL = {
                                "--batch_size", "8", "--n_token", "10000", "--n-tokens-data", "200000"],
     "gp_deep_kernel.py": ["--n-train", "2048"],
     "hybrid_cpu_embedding.py": ["--top-mlp", "1024-1024-512-256", "--batch-size", "2048", "--num-samples", "16384"],
+    "efficientnet_swish.py": ["--batch-size", "16", "--image-size", "64"],
+    "glow_flow.py": ["--img-size", "32", "--n-flow", "8", "--n-block", "3", "--filter-size", "128"],
 }
 
 

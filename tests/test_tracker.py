@@ -1338,3 +1338,25 @@ def test_buffers_and_parameters_registered_while_tracked_are_the_modules():
     assert report.peak.step == 3
     assert report.modules.loc["Sequential.0", "buffers"] == MiB  # weight_mask, 512 x 512 fp32
     assert report.modules.loc["Sequential.0", "parameters"] == MiB + 512 * 4  # weight_orig and the bias
+
+
+def test_calls_without_gradients_between_steps_are_no_forward_of_the_step():
+    """A validation pass, or a flow's sampling through part of the model, under no_grad between
+    steps: each call was taken for the step's forward, the phase after it called "loss", its
+    arguments counted as the step's inputs. Now the step's phases are its training's: the
+    batch of 64 x 512 fp32 (128 KiB) is its only input."""
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.track(model, opt, every=1, full=True) as prof:
+        for _ in range(4):
+            with torch.no_grad():
+                model(torch.randn(256, 512))  # validation
+                model[2](torch.randn(1024, 512))  # a part of it, alone
+            model(torch.randn(64, 512)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    report = prof.report()
+    timeline = report.timeline
+    phases = list(timeline[timeline.step == timeline.step.max()].phase)
+    assert phases.count("loss") == 1 and phases.index("loss") > phases.index("forward Sequential.2")
+    assert report.peak.bytes["inputs"] == 64 * 512 * 4
