@@ -1268,17 +1268,16 @@ class Tracker:
 
         @functools.wraps(own)
         def dispatch(mode: Any, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            out = own(mode, func, types, args, kwargs)
-            t = tracker()
-            if t is None or not (t._active and t._profiled):
-                return out
             key = key_of(func, args)
-            kept = mode.storage.get(key)
-            counter = getattr(mode, "func_counter", None)
-            if not kept or counter is None or counter[key] - 1 not in (kept if isinstance(kept, dict) else range(len(kept))):
+            before = len(mode.storage.get(key, ()))
+            out = own(mode, func, types, args, kwargs)
+            t, kept = tracker(), mode.storage.get(key)
+            if t is None or not (t._active and t._profiled) or kept is None or len(kept) == before:
                 return out  # an op the policy does not see (SAC_IGNORED_OPS)
+            # The entry made now: the last of the op's list (older torch), or its highest call number.
+            entry = kept[max(kept)] if isinstance(kept, dict) else kept[-1]
             with torch._C.DisableTorchFunction():
-                for w in torch.utils._pytree.tree_leaves(kept[counter[key] - 1]):
+                for w in torch.utils._pytree.tree_leaves(entry):
                     v = getattr(w, "val", None)  # checkpoint's _VersionWrapper; _RECOMPUTE has none
                     if isinstance(v, torch.Tensor) and t._on_device(v):
                         t._on_saved(v)
