@@ -221,9 +221,12 @@ def _get_custom_policy(meta):
 def apply_ac(model: Transformer, mode: str):
     model.ac_mode = mode
     if mode == "op":
+        def selective_checkpointing_context_fn():
+            meta = defaultdict(int)  # one mm counter per checkpointed call, as torchtitan's
+            return create_selective_checkpoint_contexts(_get_custom_policy(meta))
+
         for layer_id in model.layers:
-            policy = _get_custom_policy(defaultdict(int))  # one mm counter per block
-            model._ac_context_fns[layer_id] = partial(create_selective_checkpoint_contexts, policy)
+            model._ac_context_fns[layer_id] = selective_checkpointing_context_fn
 
 
 def linear_warmup_lambda(current_step: int, warmup_steps: int):
