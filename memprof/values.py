@@ -27,7 +27,6 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from .aten_args import leaves, map_leaves, tensors
 
@@ -54,14 +53,10 @@ class UnknownValues(RuntimeError):
 
 
 def _flops(func, args: tuple, kwargs: dict, out: Any) -> int:
-    """The operator's arithmetic by PyTorch's flop counter; 0 for those it does not count."""
-    count = flop_registry.get(func._overloadpacket)
-    if count is None:
-        return 0
-    try:
-        return int(count(*args, **kwargs, out_val=out))
-    except Exception:  # a counter that rejects these arguments: not a contraction it knows
-        return 0
+    """The operator's arithmetic, as the simulated GPU's time model counts it."""
+    from .simulate import _flops  # (which imports this module)
+
+    return _flops(func, args, kwargs, out)
 
 
 def _writes(func) -> tuple[int, ...]:
