@@ -605,7 +605,8 @@ def observe_script(
         from .virtual_cuda import VirtualCUDA
 
         gpu = get_gpu(target)
-        device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu, capacity=usable_bytes(gpu) if oom else None))
+        device = VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu, capacity=usable_bytes(gpu) if oom else None),
+                             script_meta=True)
 
     observer = _Observer(steps, warmup, timeout, on_model, simulated=gpu is not None, on_step=on_step,
                          early=oom)

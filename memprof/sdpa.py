@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_CUDNN", "Environment", "select_backend", "usable_backends"]
+__all__ = ["DEFAULT_CUDNN", "Environment", "jagged_attention", "select_backend", "usable_backends"]
 
 #: cuDNN runtime assumed when none can be asked: the one torch 2.11's CUDA 13 wheels ship (9.19.0).
 DEFAULT_CUDNN = 91900
@@ -115,6 +115,43 @@ class Environment:
                 query, key, value, attn_mask, lse, dropout_p, is_causal, scale=scale
             )[0]
         return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def jagged_attention(env: Environment, attention, args: tuple, kwargs: dict):
+    """``F.scaled_dot_product_attention`` of nested jagged tensors: PyTorch's own jagged path
+    (``torch.nested._internal.sdpa``: flash, then memory-efficient, then math, each kernel on the
+    packed values), with its two device questions answered for the target: the kernel, by the
+    target's rules as for dense attention and PyTorch's jagged checks; autocast, CUDA's (its own
+    asks the tensors' device, meta here, and raises)."""
+    from torch.nested._internal import sdpa as jagged
+    from torch.nn.attention import SDPBackend
+
+    def select(q, k, v, mask, dropout, causal, gqa):
+        params = jagged.SDPAParams(q, k, v, mask, dropout, causal, gqa)
+        if (torch.backends.cuda.flash_sdp_enabled() and env.sm((8, 0), (12, 1)) and q.size(-1) <= 256
+                and _dtype_ok(q, k, v, _HALF) and jagged._can_use_flash_sdpa_jagged(params)):
+            return SDPBackend.FLASH_ATTENTION
+        allowed = (torch.float16, torch.float32) + ((torch.bfloat16,) if env.capability[0] >= 8 else ())
+        if (torch.backends.cuda.mem_efficient_sdp_enabled() and env.sm((5, 0), (12, 1))
+                and _dtype_ok(q, k, v, allowed) and jagged._can_use_efficient_sdpa_jagged(params)):
+            return SDPBackend.EFFICIENT_ATTENTION
+        if torch.backends.cuda.math_sdp_enabled() and jagged._can_use_math_sdpa_jagged(params):
+            return SDPBackend.MATH
+        return SDPBackend.ERROR
+
+    def autocast(q, k, v, mask):
+        if not torch.is_autocast_enabled("cuda"):
+            return q, k, v, mask
+        dtype = torch.get_autocast_dtype("cuda")
+        cast = lambda x: x if x is None or not x.dtype.is_floating_point or x.dtype in (dtype, torch.float64) else x.to(dtype)  # noqa: E731
+        return cast(q), cast(k), cast(v), cast(mask)
+
+    saved = jagged._select_sdp_backend, jagged._autocast
+    jagged._select_sdp_backend, jagged._autocast = select, autocast
+    try:
+        return attention(*args, **kwargs)
+    finally:
+        jagged._select_sdp_backend, jagged._autocast = saved
 
 
 def _math(query, key, value, attn_mask, dropout_p: float, is_causal: bool, scale, enable_gqa: bool):

@@ -226,6 +226,8 @@ class SimulatedAllocator(TorchDispatchMode):
         self._workspaces: dict[bool, int] = {}
         # Peaks (allocated, reserved) folded in before memprof's own resets.
         self._kept = (0, 0)
+        #: The script's own meta tensors, not the GPU's (``virtual_cuda.MetaTensors``), where told apart.
+        self.script_meta = None
 
     @property
     def seconds(self) -> float:
@@ -445,6 +447,10 @@ class SimulatedAllocator(TorchDispatchMode):
         if func._overloadpacket in _NO_HALF:
             _no_half(func, args)
         out, cost = KERNELS.run(func, args, kwargs, _cost)
+        own = self.script_meta
+        if own is not None and own.claims(args, kwargs):  # the script's own meta tensors: no GPU memory, no kernel
+            own.add(s for t in tensors(out) if t.is_meta for s in _storages(t))
+            return out
         cudnn = None
         if func in CONVOLUTIONS and args[1].is_meta:
             out, *cudnn = cudnn_layout(func, args, out)
@@ -556,7 +562,7 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     PyTorch's ``__tensor_flatten__`` protocol) holds none of its own: its
     inner tensors do, made by operators the simulation does not see (the
     subclass runs them while this mode is paused)."""
-    if t.layout is not torch.strided:  # a sparse tensor (an nn.Embedding(sparse=True) gradient): its parts'
+    if t.layout not in (torch.strided, torch.jagged):  # a sparse tensor (an nn.Embedding(sparse=True) gradient): its parts'
         parts = (t._indices(), t._values()) if t.is_sparse else (_compressed_indices(t) + (t.values(),))
         return [p.untyped_storage() for p in parts]
     if type(t) in PLAIN_TENSORS:

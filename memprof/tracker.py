@@ -138,6 +138,8 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
             # A sparse tensor (an nn.Embedding(sparse=True) gradient) has no storage of its own:
             # its values' stand for it (the indices, 8 bytes per stored row, go uncounted).
             return (t._values() if t.is_sparse else t.values()).untyped_storage()
+    if t.layout is torch.jagged:  # a nested jagged tensor: its values hold its bytes (its own storage stands in)
+        return _storage(t._values)
     local = getattr(t, "_local_tensor", None)
     return (local if isinstance(local, torch.Tensor) else t).untyped_storage()
 
@@ -256,6 +258,8 @@ class Tracker:
         self._roots = [weakref.ref(m) for m in roots or [model]]
         self.device = self._resolve_device(model, device)
         self._simulated = self.device.type == "meta"
+        # The script's own meta tensors (a model built on meta and not yet materialised): not the GPU's.
+        self._script_meta = getattr(_virtual_device(), "meta_tensors", None) if self._simulated else None
         self.warmup, self.every = warmup, every
         self._counters = counters_for(self.device)
         # Steps are timed by the device's clock where it has one (a simulated
@@ -332,6 +336,8 @@ class Tracker:
         # The step's evaluations: the model called without gradients (a validation loop every few
         # steps), (start, end) by _now(); the one running, its start. Left out of the step's time.
         self._evaluations: list[tuple[Any, Any]] = []
+        #: Whether the step that ended last had an evaluation in it (the model called without gradients).
+        self.evaluated = False
         self._evaluating: Any = None
         self._no_grad_call: weakref.ref | None = None  # the module called without gradients, running (_on_pre)
         # Bounded, so that a run of any length costs the same host memory.
@@ -581,6 +587,7 @@ class Tracker:
         end = self._now()
         # Events (a profiled step on a GPU) are resolved later; evaluations in the step are left out.
         spans = [(self._t0, end), *self._evaluations]
+        self.evaluated = bool(self._evaluations)
         seconds = _seconds(spans) if isinstance(end, (int, float)) else spans
         self._resolve_time()
         if self._profiled:
@@ -912,7 +919,7 @@ class Tracker:
 
     def _on_device(self, t: torch.Tensor) -> bool:
         if self._simulated:  # a simulated GPU's tensors are meta tensors that report device cuda
-            return t.is_meta
+            return t.is_meta and (self._script_meta is None or not self._script_meta.holds(t))
         # Comparing devices whole: reading a torch.device's type and index
         # costs eight times as much, and this runs for every tensor a hook sees.
         return t.device == self.device
@@ -1684,6 +1691,12 @@ class Tracker:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
+
+
+def _virtual_device() -> Any:
+    from .virtual_cuda import current  # imported here: the simulation imports the tracker
+
+    return current()
 
 
 def _identity(x: Any) -> Any:

@@ -164,7 +164,7 @@ class Values(TorchDispatchMode):
         if not on_meta:
             return func(*args, **kwargs)  # the host's own work: real tensors, real values
         name, dynamic = _op(func)
-        if any(t.layout is not torch.strided for t in metas):  # sparse tensors: not followed
+        if any(t.layout not in (torch.strided, torch.jagged) for t in metas):  # sparse tensors: not followed
             sparse = _SPARSE.get(name)
             return sparse(*args, **kwargs) if sparse is not None else func(*args, **kwargs)
         if func is torch.ops.aten.copy_.default and not args[0].is_meta:

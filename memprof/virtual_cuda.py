@@ -29,6 +29,12 @@ and any model size fits. The script sees the target GPU wherever it looks:
   ``bool()``, ``.tolist()`` and ops like ``nonzero`` work on them; on large
   tensors ``.item()`` returns 1 and ``bool()`` False, so logging and simple
   data-dependent branches run (they take the branch those values take);
+* where the script builds on the meta device itself (``with torch.device("meta")``,
+  ``device="meta"``, ``.to("meta")``; a model made there before ``to_empty``, as
+  torchtitan and FSDP2's meta-device initialisation make it), those tensors stay
+  the meta device's: no memory of the simulated GPU, ``device == meta``, and
+  ``.to("cuda")`` of one raises as PyTorch does (``VirtualCUDA(script_meta=True)``,
+  which the script door uses; :class:`MetaTensors`);
 * ``torch.compile`` runs the model eagerly (logged once; the report says so),
   and ``torch.save`` writes nothing, so a simulation never replaces a real
   checkpoint with one of meta tensors.
@@ -40,30 +46,34 @@ installs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
 import os
 import sys
 import warnings
+import weakref
 from contextlib import ExitStack
 from types import FunctionType
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack as _function_modes
 from torch.utils import _foreach_utils
+from torch.utils._device import DeviceContext, _device_constructors
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .aten_args import tensors
 from .autocast_policy import TORCHVISION_FP32, AutocastPolicy, cross_entropy_loss
 from .cuda_api import LEGACY_TYPES, TENSOR_API, CudaRuntime, Generator, legacy_type
 from .devices import GPU, get_gpu
-from .sdpa import Environment
+from .sdpa import Environment, jagged_attention
 from .triton_kernels import triton_launches
 from .values import Values, _note
 
-__all__ = ["VirtualCUDA", "current"]
+__all__ = ["MetaTensors", "VirtualCUDA", "current"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +116,86 @@ def _device_arg(device: Any) -> Any:
     return device
 
 
+class MetaTensors:
+    """The script's own meta tensors, told apart from the simulated GPU's (meta tensors too).
+
+    A script may build on the meta device itself: torchtitan and FSDP2's
+    meta-device initialisation make the whole model there, shard or cast it,
+    then materialise it with ``to_empty(device="cuda")``. On a GPU those meta
+    tensors take no memory and report ``device == meta``; counted as the
+    simulated GPU's, a model larger than the GPU ran out of its memory before
+    the script ever moved it. A tensor is the script's own when the call that
+    made it asked for the meta device (``device="meta"``, a
+    ``torch.device("meta")`` block, ``.to("meta")``), or when every meta
+    tensor an operator reads is the script's own (``model.to(torch.bfloat16)``
+    on meta, a shard of a meta parameter); a call that asks for CUDA makes the
+    simulated GPU's whatever it reads (``to_empty``'s ``empty_like(t, device=...)``).
+    Storages are held weakly, by the simulated allocator's rule (``simulate``).
+    """
+
+    def __init__(self) -> None:
+        self._storages: dict[weakref.ref, None] = {}
+        self._placing: list[bool] = []
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is one of the script's own meta tensors."""
+        if not self._storages or not t.is_meta:
+            return False
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()  # a wrapper (a DTensor): its local tensor's
+            return bool(names) and self.holds(getattr(t, names[0]))
+        return weakref.ref(t.untyped_storage()) in self._storages
+
+    @contextlib.contextmanager
+    def placing(self, own: bool) -> Iterator[None]:
+        """The operators run within make the script's own meta tensors (``own``) or the simulated GPU's."""
+        self._placing.append(own)
+        try:
+            yield
+        finally:
+            self._placing.pop()
+
+    def claims(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an operator with these arguments makes the script's own meta tensors."""
+        if self._placing:
+            return self._placing[-1]
+        if not self._storages:
+            return False
+        metas = [t for t in tensors(args, kwargs) if t.is_meta]
+        return bool(metas) and all(self.holds(t) for t in metas)
+
+    def add(self, storages: Iterable[torch.UntypedStorage]) -> None:
+        for storage in storages:
+            self._storages[weakref.ref(storage, self._gone)] = None
+
+    def _gone(self, key: weakref.ref) -> None:
+        self._storages.pop(key, None)
+
+
+def _asks_meta(device: Any) -> bool | None:
+    """Whether a device argument asks for the meta device (True), CUDA (False), or neither (None)."""
+    if isinstance(device, str):
+        device = device.split(":")[0]
+        return True if device == "meta" else False if device == "cuda" else None
+    if isinstance(device, torch.device):
+        return True if device.type == "meta" else False if device.type == "cuda" else None
+    return False if isinstance(device, int) and not isinstance(device, bool) else None
+
+
+def _asks(own: MetaTensors, args: tuple, kwargs: dict) -> bool | None:
+    """What ``Tensor.to(*args, **kwargs)`` asks for: the meta device (True), another (False), or none."""
+    for a in (*args, kwargs.get("device"), kwargs.get("other")):
+        if isinstance(a, torch.Tensor):
+            return own.holds(a) if a.is_meta else None
+        asked = _asks_meta(a)
+        if asked is not None or isinstance(a, (str, torch.device)):
+            return bool(asked)
+    return None
+
+
+_NO_DATA = "Cannot copy out of meta tensor; no data!"  # PyTorch's own words (nn.Module.to adds to_empty's advice)
+
+
 class _Mode(TorchFunctionMode):
     """Device redirection, values, autocast and kernel choice, at the torch-function level."""
 
@@ -125,6 +215,23 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        own = self.vc.meta_tensors
+        if own is not None:
+            if args and isinstance(args[0], torch.Tensor) and own.holds(args[0]):
+                name = getattr(func, "__name__", "")
+                if name == "cuda" or name == "to" and _asks(own, args[1:], kwargs) is False:
+                    raise NotImplementedError(_NO_DATA)  # as PyTorch's meta tensors: to_empty, not to
+                if getattr(func, "__self__", None) in (_DEVICE, _IS_CUDA) or name in _ON_META:
+                    return func(*args, **kwargs)  # a meta tensor's own answer (device meta, no values)
+            asked = _asks(own, args[1:], kwargs) if getattr(func, "__name__", "") == "to" else (
+                _asks_meta(kwargs["device"]) if kwargs.get("device") is not None else
+                True if func in _device_constructors() and self.vc.meta_block() else None)
+            if asked is not None:
+                with own.placing(asked):
+                    return self._function(func, args, kwargs)
+        return self._function(func, args, kwargs)
+
+    def _function(self, func, args: tuple, kwargs: dict):
         owner = getattr(func, "__self__", None)
         if owner is _DEVICE:
             return _CUDA0 if args[0].is_meta else func(*args)
@@ -195,6 +302,8 @@ class _Mode(TorchFunctionMode):
                 # kernel that reads half and writes float, without a float copy.
                 return _HALF_TO_FLOAT[name](args[0], _arg(args, kwargs, 1, "dim"), True)
         if name == "scaled_dot_product_attention":
+            if any(getattr(a, "is_nested", False) for a in args[:3]):
+                return jagged_attention(self.vc.sdpa, func, args, kwargs)
             return self.vc.sdpa.attention(*args, **kwargs)
         if func is torch.Tensor.backward:
             return self._backward(*args, **kwargs)
@@ -473,9 +582,16 @@ def _run_backward(mode: "_Mode", tensor, gradient=None, retain_graph=None, creat
 class VirtualCUDA:
     """Run CUDA training code on meta tensors as if on ``target`` (see the module docstring)."""
 
-    def __init__(self, target: str | GPU = "H100-80GB", allocator: Any = None) -> None:
+    def __init__(self, target: str | GPU = "H100-80GB", allocator: Any = None, script_meta: bool = False) -> None:
         self.gpu = get_gpu(target)
         self.allocator = allocator
+        #: With ``script_meta``, the script's own meta tensors, which are not the simulated GPU's
+        #: (:class:`MetaTensors`); without, every meta tensor is (memprof's own builds run on meta).
+        self.meta_tensors = MetaTensors() if script_meta else None
+        if allocator is not None:
+            allocator.script_meta = self.meta_tensors
+        # The device block a torch.set_default_device("cuda") of the script left in force (meta, here).
+        self._simulated_default: Any = None
         self.runtime = CudaRuntime(self.gpu, allocator)
         self.values = Values(synchronize=getattr(allocator, "synchronize", None), read_back=self.read_back)
         self.sdpa = Environment.of(self.gpu)
@@ -484,6 +600,16 @@ class VirtualCUDA:
         #: What the script saved (torch.save writes nothing here), by path or file object, to load back.
         self._saved: dict[Any, Any] = {}
         self._stack: ExitStack | None = None
+
+    def meta_block(self) -> bool:
+        """Whether the default device in force is the script's own meta device (a ``torch.device("meta")``
+        block or ``set_default_device("meta")``), not the simulated GPU standing in for CUDA."""
+        if self.meta_tensors is None:
+            return False
+        # As torch.get_default_device finds it: the innermost device block, else the default set.
+        context = next((m for m in reversed(_function_modes()) if isinstance(m, DeviceContext)), None)
+        context = context or getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None)
+        return context is not None and context.device.type == "meta" and context is not self._simulated_default
 
     def read_back(self, nbytes: int, wait: bool = True) -> None:
         """``nbytes`` of the device's go to the host: a copy, which the host waits for unless
@@ -541,6 +667,8 @@ class VirtualCUDA:
             def set_default_device(device) -> None:
                 changed.append(True)
                 set_default(_device_arg(device))
+                self._simulated_default = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None) if (
+                    _device_arg(device) is _META and _asks_meta(device) is not True) else None
 
             # Only a script that changed the default has it put back: setting "cpu"
             # would leave a device mode on every later torch call of the process.
@@ -566,14 +694,22 @@ class VirtualCUDA:
 
             stack.enter_context(_replace(torch, "set_default_tensor_type", set_default_tensor_type))
             stack.enter_context(
-                _replace(torch, "get_default_device", lambda: _CUDA0 if get_default().type == "meta" else get_default())
+                _replace(torch, "get_default_device",
+                         lambda: _CUDA0 if get_default().type == "meta" and not self.meta_block() else get_default())
             )
             stack.enter_context(_replace(torch, "Generator", Generator))
             stack.enter_context(triton_launches(self.gpu, self.allocator, self.values, self._note))
             stack.enter_context(_replace(torch, "compile", self._compile))
             stack.enter_context(_replace(torch.nn.Module, "compile", _module_compile(self)))
+            if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_padded_dense_to_jagged_forward", "Meta"):
+                # Nested tensors' to_padded_tensor backward runs it inside their own dispatch, below memprof's modes.
+                library = torch.library.Library("aten", "IMPL", "Meta")
+                library.impl("_padded_dense_to_jagged_forward", _padded_dense_to_jagged)
+                stack.callback(library._destroy)
             stack.enter_context(_replace(torch, "save", self._save))
             stack.enter_context(_replace(torch, "load", self._load(torch.load)))
+            for module, attr, fn in self._file_operations():
+                stack.enter_context(_replace(module, attr, fn))
             if torch.distributed.is_available():
                 stack.enter_context(_replace(torch.distributed, "init_process_group",
                                              self._init_process_group(torch.distributed.init_process_group)))
@@ -609,6 +745,8 @@ class VirtualCUDA:
             # it is simulated as its compiled, fused kernel (SimulatedAllocator._higher_order).
             stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            # load_state_dict of host tensors into the simulated GPU's (meta) parameters: a copy on a GPU.
+            warnings.filterwarnings("ignore", message="for .*: copying from a non-meta parameter in the checkpoint")
             if self.allocator is not None:
                 stack.enter_context(_replace(torch.UntypedStorage, "resize_", _resizing(self.allocator)))
                 stack.enter_context(self.allocator)
@@ -654,10 +792,23 @@ class VirtualCUDA:
                 f"torch.distributed ran one rank of {world_size} on PyTorch's fake process group "
                 "(no communication is simulated: NCCL's own buffers and the collectives' time are left out)")
             kwargs.pop("device_id", None)
-            return original("fake", store=FakeStore(), world_size=world_size, rank=rank,
-                            **({"timeout": timeout} if timeout is not None else {}), **kwargs)
+            out = original("fake", store=FakeStore(), world_size=world_size, rank=rank,
+                           **({"timeout": timeout} if timeout is not None else {}), **kwargs)
+            self._dtensor_random()
+            return out
 
         return init_process_group
+
+    def _dtensor_random(self) -> None:
+        """DTensor's random operators (``nn.init`` of a parameter sharded on meta and materialised)
+        keep the CUDA generator's state as a device tensor, copied there from within DTensor's
+        dispatch, which no torch-function mode sees: the simulated GPU's generator is a host one,
+        and its state stays on the host. Set once a process group exists (DTensor needs one)."""
+        from torch.distributed.tensor import _random
+
+        tracker = getattr(_random, "OffsetBasedRNGTracker", None)
+        if self._stack is not None and tracker is not None and "_get_device_state" in vars(tracker):
+            self._stack.enter_context(_replace(tracker, "_get_device_state", lambda t: t._device_handle.get_rng_state()))
 
     def _ddp(self) -> dict[str, Callable]:
         """DDP on the fake process group: its buckets are made and filled as on a GPU, and
@@ -726,19 +877,56 @@ class VirtualCUDA:
         def torch_load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
             saved = self._saved.get(_file_key(f), _NOT_SAVED)
             obj = load(f, *args, map_location="cpu", **kwargs) if saved is _NOT_SAVED else saved
-            on_host = map_location is not None and not callable(map_location) and not isinstance(
+            meta = isinstance(map_location, (str, torch.device)) and _asks_meta(map_location) is True
+            on_host = not meta and map_location is not None and not callable(map_location) and not isinstance(
                 map_location, dict) and not _is_cuda(map_location)
+            # Made through the torch-function mode: CUDA is the simulated GPU, meta the script's own.
+            device = "cpu" if on_host else _META if meta else _CUDA0
 
             def place(t: Any) -> Any:
                 if isinstance(t, _SavedShape):
-                    return torch.zeros(t.shape, dtype=t.dtype, device="cpu" if on_host else _META)
+                    return torch.zeros(t.shape, dtype=t.dtype, device=device)
                 if not isinstance(t, torch.Tensor):
                     return t
-                return t.clone() if on_host else t.to(_META)
+                return t.clone() if on_host else t.to(device)
 
             return tree_map(place, obj, is_leaf=lambda x: isinstance(x, _SavedShape))
 
         return torch_load
+
+
+    def _file_operations(self) -> list[tuple[Any, str, Callable]]:
+        """Copies, moves, links and removals of a file this run's ``torch.save`` did not write (pytorch/examples'
+        ``shutil.copyfile(filename, "model_best.pth.tar")``, an atomic save's ``os.replace``): done on what was
+        saved, not on the disk, where a stale file of that name would replace the user's best checkpoint."""
+        import shutil
+
+        def target(src: Any, dst: Any) -> Any:  # shutil.copy and move into a directory
+            return os.path.join(dst, os.path.basename(os.fspath(src))) if os.path.isdir(dst) else dst
+
+        def copying(original: Callable, move: bool = False, into_directory: bool = False) -> Callable:
+            def operation(src: Any, dst: Any, *args: Any, **kwargs: Any) -> Any:
+                key = _file_key(src) if isinstance(src, (str, os.PathLike)) else None
+                if key not in self._saved:
+                    return original(src, dst, *args, **kwargs)
+                dst = target(src, dst) if into_directory else dst
+                self._saved[_file_key(dst)] = self._saved.pop(key) if move else self._saved[key]
+                return dst
+            return operation
+
+        def removing(original: Callable) -> Callable:
+            def remove(path: Any, *args: Any, **kwargs: Any) -> None:
+                key = _file_key(path) if isinstance(path, (str, os.PathLike)) else None
+                if self._saved.pop(key, _NOT_SAVED) is _NOT_SAVED:
+                    original(path, *args, **kwargs)
+            return remove
+
+        return [(shutil, "copyfile", copying(shutil.copyfile)),
+                *((shutil, name, copying(getattr(shutil, name), into_directory=True)) for name in ("copy", "copy2")),
+                (shutil, "move", copying(shutil.move, move=True, into_directory=True)),
+                *((os, name, copying(getattr(os, name), move=True)) for name in ("replace", "rename")),
+                *((os, name, copying(getattr(os, name))) for name in ("link", "symlink")),
+                *((os, name, removing(getattr(os, name))) for name in ("remove", "unlink"))]
 
 
 _NOT_SAVED = object()
@@ -747,6 +935,13 @@ _NOT_SAVED = object()
 class _SavedShape(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
+
+
+def _padded_dense_to_jagged(padded: torch.Tensor, offsets: list, total_L: int | None = None) -> torch.Tensor:
+    """The meta kernel PyTorch lacks (it has a fake-tensor one): the packed rows of a padded batch;
+    without their count, every row (an upper bound)."""
+    rows = total_L if total_L is not None else padded.shape[0] * padded.shape[1]
+    return padded.new_empty((rows, *padded.shape[2:]))
 
 
 def _file_key(f: Any) -> Any:

@@ -65,7 +65,8 @@ class ActivationOffload(Strategy):
             shape, dtype = packed
             # save_on_cpu packs into torch.empty(tensor.size()) and moves that back: contiguous,
             # a view's elements only (a fused qkv's value view is a third of its storage).
-            out = torch.empty(shape, dtype=dtype, device="meta")
+            with torch._C.DisableTorchFunction():  # the simulated GPU's, not a script's own meta tensor
+                out = torch.empty(shape, dtype=dtype, device="meta")
             if alloc is not None:  # .to(device, non_blocking=True): the copy, its destination made above
                 alloc.transfer(out.numel() * out.element_size(), link)
             return out

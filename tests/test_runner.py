@@ -5,6 +5,7 @@ import os
 import sys
 import textwrap
 import uuid
+import warnings
 
 import pytest
 import torch
@@ -946,3 +947,145 @@ def test_a_model_run_on_the_host_before_it_moves(tmp_path, clean):
     """), steps=3, target="h200", oom=False)  # as the advisor runs it: no early tracking, parameters swapped
     after = report.timeline[report.timeline["phase"] == "after backward"]
     assert (after["gradients"] == 2 * MiB).all() and (after["activation_gradients"] == 0).all()
+
+
+def test_a_model_built_on_meta_is_not_the_simulated_gpus(tmp_path, clean):
+    """A script's own meta tensors take no GPU memory, as on a GPU: a 16 GiB model built on meta
+    (an RTX 3060 has 12 GB) is not counted, reports device meta, and ``.to("cuda")`` of it raises
+    PyTorch's own error; ``to_empty`` makes the simulated GPU's (the memory then counted, exactly),
+    as does ``empty_like(t, device="cuda")`` of a meta tensor, and a cast on meta stays on meta."""
+    report = observe_script(write(tmp_path, """
+        import torch
+        from torch import nn
+        with torch.device("meta"):
+            big = nn.Sequential(*[nn.Linear(8192, 8192, bias=False) for _ in range(64)])  # 16 GiB of fp32
+        w = big[0].weight
+        assert w.device == torch.device("meta") and not w.is_cuda and w.get_device() == -1, w.device
+        assert torch.get_default_device().type == "cpu"
+        assert big.to(torch.bfloat16)[0].weight.device.type == "meta"
+        assert torch.empty_like(w, device="cuda").device.type == "cuda"
+        assert torch.empty(4, device="meta").to(torch.float16).device.type == "meta"
+        try:
+            big.to("cuda")
+        except NotImplementedError as exc:
+            assert "to_empty" in str(exc), exc
+        else:
+            raise AssertionError("moving a meta model with .to() must raise, as on a GPU")
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(512, 512, bias=False), nn.ReLU(), nn.Linear(512, 512, bias=False))
+            assert torch.get_default_device().type == "meta"
+        model.to_empty(device="cuda")
+        assert model[0].weight.device.type == "cuda" and model[0].weight.is_cuda
+        torch.set_default_device("cuda")  # the simulated GPU's tensors by default, the script's own meta in a block
+        assert torch.empty(4).device.type == "cuda" and torch.get_default_device().type == "cuda"
+        with torch.device("meta"):
+            assert torch.empty(4).device.type == "meta" and torch.get_default_device().type == "meta"
+        torch.set_default_device("cpu")
+        for m in (model[0], model[2]):
+            nn.init.normal_(m.weight, std=0.02)
+        opt = torch.optim.AdamW(model.parameters())
+        for i in range(10):
+            model(torch.randn(64, 512, device="cuda")).square().mean().backward()
+            opt.step(); opt.zero_grad()
+    """), steps=2, target="rtx3060")
+    assert report.peak.bytes["parameters"] == 2 * MiB and report.peak.bytes["other_models"] == 0
+    assert report.optimizer_state == {"exp_avg": 2 * MiB, "exp_avg_sq": 2 * MiB}
+
+
+def test_fsdp2_meta_device_initialisation(tmp_path, clean, monkeypatch):
+    """torchtitan's recipe: the whole model on meta, ``fully_shard`` there, ``to_empty`` onto the
+    GPU, then ``nn.init`` of the sharded parameters (DTensor's random operators). A 16 GiB fp32
+    model on 8 ranks holds 2 GiB of parameters per rank (rows split 8 ways), as much gradient
+    and twice that of Adam's state; before, the meta build ran the simulated 12 GB GPU out of
+    memory, and DTensor's generator state failed to reach the device."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    report = observe_script(write(tmp_path, """
+        import os, torch, torch.distributed as dist
+        from torch import nn
+        from torch.distributed.fsdp import fully_shard
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        with torch.device("meta"):
+            model = nn.Sequential(*[nn.Linear(8192, 8192, bias=False) for _ in range(64)])
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device="cuda")
+        for m in model:
+            nn.init.normal_(m.weight, std=0.02)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for step in range(4):
+            model(torch.randn(8, 8192, device="cuda")).pow(2).mean().backward()
+            opt.step(); opt.zero_grad()
+        dist.destroy_process_group()
+    """), steps=2, target="rtx3060")
+    shard = 64 * 8192 * 8192 * 4 // 8
+    assert report.peak.bytes["parameters"] == shard == 2 * 1024 * MiB
+    assert report.peak.bytes["gradients"] == shard
+    assert report.optimizer_state == {"exp_avg": shard, "exp_avg_sq": shard}
+
+
+def test_files_a_simulated_save_did_not_write_are_copied_and_moved_in_the_simulation(tmp_path, clean):
+    """pytorch/examples' ImageNet copies its checkpoint to ``model_best.pth.tar`` after ``torch.save``,
+    which writes nothing here: the copy failed (no such file), or copied a stale checkpoint of that
+    name over the user's best one. Copies, moves and removals of what this run saved stay in the
+    simulation; the files on disk are left as they were, and what was saved loads from its new name.
+    Loading a host state dict into the simulated GPU's model warns nothing, as on a GPU."""
+    (tmp_path / "checkpoint.pth.tar").write_bytes(b"stale")
+    (tmp_path / "model_best.pth.tar").write_bytes(b"the user's best")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = observe_script(write(tmp_path, """
+            import os, shutil
+            import torch
+            from torch import nn
+            model = nn.Linear(512, 512).cuda()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            model.load_state_dict(nn.Linear(512, 512).state_dict())  # a host state dict onto the GPU's model
+            for step in range(10):
+                model(torch.randn(32, 512, device="cuda")).square().mean().backward()
+                opt.step(); opt.zero_grad()
+                if step == 1:
+                    torch.save({"state_dict": model.state_dict(), "optimizer": opt.state_dict()}, "checkpoint.pth.tar")
+                    shutil.copyfile("checkpoint.pth.tar", "model_best.pth.tar")
+                    torch.save(model.state_dict(), "tmp.pt")
+                    os.replace("tmp.pt", "last.pt")
+                    os.makedirs("archive", exist_ok=True)
+                    shutil.copy("last.pt", "archive")
+                    os.remove("checkpoint.pth.tar")
+                    best = torch.load("model_best.pth.tar", map_location="cuda")
+                    assert best["state_dict"]["weight"].shape == (512, 512) and best["state_dict"]["weight"].is_cuda
+                    assert torch.load(os.path.join("archive", "last.pt"))["bias"].shape == (512,)
+        """), steps=2, target="h200")
+    assert not [w for w in caught if "non-meta" in str(w.message)]
+    assert report.peak.bytes["parameters"] == 512 * 512 * 4 + 512 * 4
+    assert (tmp_path / "checkpoint.pth.tar").read_bytes() == b"stale"
+    assert (tmp_path / "model_best.pth.tar").read_bytes() == b"the user's best"
+    assert not (tmp_path / "last.pt").exists() and not (tmp_path / "tmp.pt").exists()
+    assert not (tmp_path / "archive" / "last.pt").exists()
+
+
+def test_nested_jagged_tensors_train_on_the_simulated_gpu(tmp_path, clean):
+    """PyTorch's nested-tensor tutorial's habit: a batch of sequences of lengths 100 and 28 as one jagged
+    tensor, attention on it (PyTorch's jagged path, flash on the H200 in bf16), to_padded_tensor for the
+    loss. Its bytes are its packed values': the activations saved for backward at the loss are the GELU's
+    input and the second layer's, 128 tokens x 256 x 4 bytes each (the first layer's input is the batch)."""
+    report = observe_script(write(tmp_path, """
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+        model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(10):
+            x = torch.nested.nested_tensor([torch.randn(100, 64), torch.randn(28, 64)], layout=torch.jagged,
+                                           device="cuda")
+            q = x.unflatten(-1, (4, 16)).transpose(1, 2).to(torch.bfloat16).requires_grad_()
+            with torch.no_grad():
+                attended = F.scaled_dot_product_attention(q, q, q)
+            assert attended.is_nested and attended.dtype == torch.bfloat16
+            model(x).to_padded_tensor(0.0).square().mean().backward()
+            opt.step(); opt.zero_grad()
+    """), steps=2, target="h200")
+    loss = report.timeline[report.timeline["phase"] == "loss"]
+    assert not loss.empty and (loss["activations"] == 2 * 128 * 256 * 4).all()
+    assert report.peak.bytes["parameters"] == (64 * 256 * 4 + 256 * 4) + (256 * 64 * 4 + 512)  # 64 floats: 512 B
