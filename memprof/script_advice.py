@@ -463,7 +463,9 @@ def _checkpointing_switch(model: nn.Module) -> str:
 
 def tensor_shapes(named: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
     """The tensors among ``named`` values: name -> (shape, short dtype)."""
-    return {str(k): (list(t.shape), _dtype(t.dtype)) for k, t in named.items() if isinstance(t, torch.Tensor)}
+    # A nested jagged tensor's ragged dimension is a symbolic size: named, as PyTorch prints it.
+    return {str(k): ([d if isinstance(d, int) else str(d) for d in t.shape], _dtype(t.dtype))
+            for k, t in named.items() if isinstance(t, torch.Tensor)}
 
 
 def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -822,6 +824,7 @@ class _Schedule:
         self._emptied_steps = 0
         self.started = False  # whether the model's forward ran since the current plan was applied
         self._advanced: set[str] = set()
+        self._evaluated = True  # whether the script's step before had an evaluation (the first: taken as is)
 
     def pending(self) -> list[str]:
         return [n for n in self.plans if n not in self.failed and n not in self.skipped
@@ -841,6 +844,17 @@ class _Schedule:
     def on_step(self, tracker) -> bool:
         from .simulate import replay_step
 
+        before, self._evaluated = self._evaluated, tracker.evaluated
+        if self._evaluated and not before:
+            # An evaluation ran in this step, not in the one before (the model called without
+            # gradients every N steps): its peak would be the evaluation's as much as the plan's.
+            # The next step is taken instead; a script that calls its model so every step (a DQN
+            # acting, a validation batch per step) has them taken as they are.
+            allocator = self._allocator()
+            if allocator is not None:
+                allocator.events = []
+                self._busy_at = (allocator, allocator.busy)
+            return True
         if self._emptied is not None:  # the script's steps on an emptied cache (below): as many as a plan's
             self._emptied_steps += 1
             if self._emptied_steps < self.steps:

@@ -902,6 +902,34 @@ def test_two_optimizers_over_one_model(tmp_path):
     assert seconds["baseline"] < seconds["accum2"] < seconds["accum4"] < seconds["accum8"]
 
 
+EVALUATING = """\
+import torch, torch.nn as nn
+model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(40):
+    if {every} and step % {every} == {every} - 1:  # a validation pass, four times the batch, every few steps
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(4096, 1024, device="cuda"))
+        model.train()
+    model(torch.randn(1024, 1024, device="cuda")).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_an_evaluation_between_steps_is_no_plans_step(tmp_path):
+    """A validation every few steps fell into whichever plan's step it met: accumulation plans
+    peaked at the evaluation's 4096 rows, not their micro-batches'. A step with an evaluation in it
+    is not a plan's: every plan's peak allocated is the one it has without the evaluations."""
+    peaks = []
+    for every in (0, 3):
+        data, _ = advise_source(tmp_path, EVALUATING.format(every=every))
+        peaks.append({p["plan"]: p["peak_allocated"] for p in data["plans"]})
+    assert set(peaks[0]) == set(peaks[1]) and {"baseline", "accum2", "accum4", "bf16+accum8"} <= set(peaks[0])
+    assert peaks[1] == peaks[0]
+
+
 def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
     import torch
 
