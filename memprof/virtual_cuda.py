@@ -246,7 +246,7 @@ class _Mode(TorchFunctionMode):
         if func is torch.device and len(args) == 1 and isinstance(args[0], int) and not kwargs:
             return torch.device("cuda", args[0])  # an index alone names a device of the accelerator
         name = getattr(func, "__name__", "")
-        if "device" in kwargs:
+        if "device" in kwargs and name != "_parse_to":  # (Module.to's parsing returns the device it was given)
             kwargs = {**kwargs, "device": _device_arg(kwargs["device"])}
         if kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}

@@ -964,6 +964,8 @@ def test_a_model_built_on_meta_is_not_the_simulated_gpus(tmp_path, clean):
         assert torch.get_default_device().type == "cpu"
         assert big.to(torch.bfloat16)[0].weight.device.type == "meta"
         assert torch.empty_like(w, device="cuda").device.type == "cuda"
+        # Module.to(device=..., dtype=...) parses its arguments in a torch function of its own
+        assert nn.Linear(4, 4).to(device="cuda", dtype=torch.bfloat16).weight.device.type == "cuda"
         assert torch.empty(4, device="meta").to(torch.float16).device.type == "meta"
         try:
             big.to("cuda")
