@@ -72,7 +72,8 @@ class CudaRuntime:
             "_lazy_init": lambda: None,
             "device_count": lambda: 1,
             "current_device": lambda: 0,
-            "set_device": lambda device: None,
+            # CUDA's own parsing: "cuda" without an index raises there as on a GPU (torch.cuda.set_device).
+            "set_device": lambda device: torch.cuda._utils._get_device_index(device) and None,
             "synchronize": self._call("synchronize"),
             "ipc_collect": lambda: None,
             "get_device_name": lambda device=None: gpu.name,

@@ -1091,3 +1091,23 @@ def test_nested_jagged_tensors_train_on_the_simulated_gpu(tmp_path, clean):
     loss = report.timeline[report.timeline["phase"] == "loss"]
     assert not loss.empty and (loss["activations"] == 2 * 128 * 256 * 4).all()
     assert report.peak.bytes["parameters"] == (64 * 256 * 4 + 256 * 4) + (256 * 64 * 4 + 512)  # 64 floats: 512 B
+
+
+def test_set_device_parses_as_cuda_does(tmp_path, clean):
+    """``torch.cuda.set_device(torch.device("cuda"))`` raises on a GPU (no index); the simulated GPU took it,
+    so a script that fails on the GPU ran here (a Muon speedrun written that way, caught on the H200)."""
+    report = observe_script(write(tmp_path, """
+        import torch
+        try:
+            torch.cuda.set_device(torch.device("cuda"))
+        except ValueError as exc:
+            assert "specified index" in str(exc), exc
+        else:
+            raise AssertionError("set_device without an index must raise, as CUDA's does")
+        torch.cuda.set_device("cuda:0"); torch.cuda.set_device(0); torch.cuda.set_device(torch.device("cuda", 0))
+        model = torch.nn.Linear(512, 512, bias=False).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(6):
+            model(torch.randn(8, 512, device="cuda")).sum().backward(); opt.step(); opt.zero_grad()
+    """), steps=2, target="h200")
+    assert report.peak.bytes["parameters"] == MiB
