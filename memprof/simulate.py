@@ -455,7 +455,7 @@ class SimulatedAllocator(TorchDispatchMode):
         if func in CONVOLUTIONS and args[1].is_meta:
             out, *cudnn = cudnn_layout(func, args, out)
         backward = torch._C._current_graph_task_id() != -1  # autograd's engine is running
-        matmul = func.__name__.split(".")[0] in _MATMUL_OPS
+        matmul = func.__name__.split(".")[0] in _MATMUL_OPS or _nested_linear(func, args)
         if len(self._workspaces) < 2 and backward not in self._workspaces and matmul:
             # PyTorch keeps a cuBLAS workspace per handle and stream, and a handle per thread
             # (aten/src/ATen/cuda/CublasHandlePool.cpp): the training thread's, and on a GPU
@@ -770,8 +770,22 @@ def _kernel_kind(func, args: tuple) -> int:
 KERNELS = KernelCache()
 
 
+def _nested_linear(func, args: tuple) -> bool:
+    """A linear layer (or its backward) on a nested jagged tensor, whose matrix products on its packed
+    values run inside the nested tensor's own dispatch, below the simulation's modes."""
+    return func in _NESTED_LINEAR and bool(args) and getattr(args[0], "is_nested", False)
+
+
+_NESTED_LINEAR = {torch.ops.aten.linear.default, torch.ops.aten.linear_backward.default}
+
+
 def _flops(func, args: tuple, kwargs: dict, out: Any) -> int:
     """The operator's arithmetic, by PyTorch's flop counter (torch.utils.flop_counter)."""
+    if _nested_linear(func, args):  # linear(x, w, b), linear_backward(x, grad, w, mask): products over the tokens
+        values = args[0]._values
+        product = 2 * (values.numel() // values.shape[-1]) * args[-2 if len(args) > 3 else 1].numel()
+        mask = args[3] if len(args) > 3 else (True, False, False)
+        return product * (1 if len(args) <= 3 else sum(map(bool, mask[:2])))
     count = flop_registry.get(func._overloadpacket)
     if count is None:
         return 0

@@ -1090,6 +1090,9 @@ def test_nested_jagged_tensors_train_on_the_simulated_gpu(tmp_path, clean):
     """), steps=2, target="h200")
     loss = report.timeline[report.timeline["phase"] == "loss"]
     assert not loss.empty and (loss["activations"] == 2 * 128 * 256 * 4).all()
+    # The linear layers' products on the packed values take cuBLAS's workspaces, forward's and backward's
+    # threads' (32 MiB each on the H200), as dense layers do; they ran below the simulation's modes.
+    assert (loss["workspaces"] == 2 * 32 * MiB).all()
     assert report.peak.bytes["parameters"] == (64 * 256 * 4 + 256 * 4) + (256 * 64 * 4 + 512)  # 64 floats: 512 B
 
 
