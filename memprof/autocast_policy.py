@@ -22,7 +22,8 @@ __all__ = ["LOWER_PRECISION", "FP32", "FP32_SET_OPT_DTYPE", "PROMOTE", "TORCHVIS
 # AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE), named as
 # the torch functions that reach them: Python operators (``__matmul__``,
 # ``__pow__``) and the composites whose only work is a listed op
-# (``nll_loss_nd`` is how F.nll_loss and cross-entropy reach ``nll_loss``).
+# (``nll_loss_nd`` is how F.nll_loss and cross-entropy reach ``nll_loss``; ``square`` is ``at::pow(self, 2)``,
+# UnaryOps.cpp: a ReLU² MLP's square runs in float32 under autocast, measured on the H200).
 
 #: Ops that run in the autocast dtype (fp16 or bf16).
 LOWER_PRECISION = frozenset(
@@ -37,7 +38,7 @@ LOWER_PRECISION = frozenset(
 #: Ops that run in float32.
 FP32 = frozenset(
     """
-    acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow __pow__ __rpow__ softplus
+    acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow __pow__ __rpow__ square softplus
     layer_norm native_layer_norm group_norm frobenius_norm nuclear_norm cosine_similarity poisson_nll_loss
     cosine_embedding_loss nll_loss nll_loss2d nll_loss_nd hinge_embedding_loss kl_div l1_loss smooth_l1_loss
     huber_loss mse_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss

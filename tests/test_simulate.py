@@ -111,8 +111,9 @@ def test_autocast_policy_dtypes_and_cache():
             s = y.softmax(-1)
             n = F.layer_norm(y, (64,))
             c = torch.cat([y, x])
-        assert (y.dtype, z.dtype, s.dtype, n.dtype, c.dtype) == (
-            torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.float32,
+            q = F.relu(y).square()  # at::pow(self, 2) in ATen: autocast's float32 pow (a ReLU² MLP's)
+        assert (y.dtype, z.dtype, s.dtype, n.dtype, c.dtype, q.dtype) == (
+            torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.float32, torch.float32,
         )
     policy = AutocastPolicy("meta")
     w = torch.randn(4, 4, device="meta", requires_grad=True)
