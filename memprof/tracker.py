@@ -282,8 +282,16 @@ class Tracker:
         # of its own at each path, named at each call by the module calling it (_call_name).
         self._types: dict[str, str] = {}
         self._paths: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDictionary()
+        # A module registered twice under one parent is one module by two names (Lightning Fabric's
+        # _forward_module and _original_module): its second name, and all under it, are left out.
+        aliases: list[str] = []
         for n, m in named.named_modules(remove_duplicate=False):
             path, first = f"{root}.{n}" if n else root, self._names[m]
+            if aliases and any(path.startswith(a + ".") for a in aliases):
+                continue
+            if path != first and path.rpartition(".")[0] == first.rpartition(".")[0]:
+                aliases.append(path)
+                continue
             self._types[path] = type(m).__name__
             if path != first:
                 self._paths.setdefault(m, {first.rpartition(".")[0]: first})[path.rpartition(".")[0]] = path

@@ -813,3 +813,45 @@ def test_rms_norm_as_cuda_runs_it():
         assert alloc.read().allocated - before == 32 * MiB + 16 * 1024 * 4
         y.sum().backward()
         assert x.grad.shape == x.shape and norm.weight.grad.shape == (1024,)
+
+
+def test_a_module_registered_twice_under_one_parent_is_one_module():
+    """Lightning Fabric's wrapper holds the model as ``_forward_module`` and ``_original_module``: the
+    rows and phases were split between the two names (the blocks' under one, the model's own calls
+    under the other). The second name is left out: every row is under the name forward runs by."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = nn.ModuleList([nn.Linear(256, 256) for _ in range(2)])
+            self.head = nn.Linear(256, 256)
+
+        def forward(self, x):
+            for block in self.h:
+                x = block(x)
+            return self.head(x)
+
+    class Wrapper(nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self._forward_module = module
+            self._original_module = module
+
+        def forward(self, x):
+            return self._forward_module(x)
+
+    def setup():
+        model = Wrapper(Net()).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(64, 256, device="cuda")
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt, step
+
+    report = memprof.simulate(setup, target="h200", steps=2)
+    assert not any("_original_module" in name for name in report.modules.index)
+    delta = report.modules["forward_peak_delta"]
+    out = 64 * 256 * 4  # each layer's output, 64 KiB
+    assert delta["Wrapper._forward_module"] == 3 * out and delta["Wrapper._forward_module.head"] == out
