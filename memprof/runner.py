@@ -271,12 +271,24 @@ class _Observer:
         tracked so far are dropped and tracking starts again from the end of this
         call with every optimizer seen (this one ends each step) and every model
         (several as one ``nn.ModuleDict``). Plans (``on_model``) apply to one model
-        and its optimizer: advice keeps the first (its facts say what else trains)."""
+        and its optimizer: advice keeps the first model (its facts say what else trains), and
+        tracks another optimizer over that model's own parameters with it if it steps before
+        the first tracked step ends (Muon beside AdamW: its state is the model's)."""
         if any(opt is o for _, o in self._trained) or self._trained[0][1] is None:
             return  # (nor where the model trains without one: an optimizer of another model's is not its)
-        if self.on_model is not None or any(o is i for _, o in self._trained for i in _wrapped(opt)):
+        if any(o is i for _, o in self._trained for i in _wrapped(opt)):
             # (A wrapper of a tracked optimizer, whose step PyTorch hooks from its first zero_grad on,
             # as timm's Lookahead does not call Optimizer.__init__: the tracker counts its state.)
+            return
+        if self.on_model is not None:
+            model = self._trained[0][0]
+            own = {id(p) for p in model.parameters()}
+            if self.tracker is None or self.tracker.step or not all(
+                    id(p) in own for group in opt.param_groups for p in group["params"]):
+                return
+            self._trained.append((model, opt))
+            self._pending = (model, [o for _, o in self._trained])
+            self._start_after(sys._getframe(2))
             return
         model = self._find_model(opt, quiet=True)
         if model is None:

@@ -600,6 +600,9 @@ class _Watch:
             return
         params = [p for g in opt.param_groups for p in g["params"]]
         model = self._model()
+        if params and model is not None and any(params[0] is p for p in model.parameters()):
+            self.facts.optimizer += f" + {type(opt).__name__}"  # over the model's other parameters (Muon and AdamW)
+            return
         # (An optimizer of the host's parameters, a large embedding table kept in host memory while the
         # model trains on the GPU, takes no GPU memory.)
         mine = next(model.parameters(), None) if model is not None else None
@@ -837,7 +840,9 @@ class _Schedule:
         self.model, self.opt = model, opt
         self._fresh = True  # a run of the script begins
         self.units = fsdp_units(model)
-        if self.facts is None:
+        if self.facts is None:  # (again: tracking restarted with another optimizer of the model's)
+            if self._watch is not None:
+                self._watch.close()
             self._watch = _Watch(model, opt)
         self._next()
 

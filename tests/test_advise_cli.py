@@ -930,6 +930,29 @@ def test_an_evaluation_between_steps_is_no_plans_step(tmp_path):
     assert peaks[1] == peaks[0]
 
 
+def test_another_optimizer_over_the_models_parameters_is_tracked_with_it(tmp_path):
+    """Muon beside AdamW (modded-nanogpt): SGD with momentum for the hidden layer, Adam for the head.
+    The advisor followed the first optimizer only: the second's momentum (4 MiB) was temporaries in
+    every plan, and its step fell into the next step. Both are the model's optimizers, as ``track`` has them."""
+    from memprof.script_advice import advise_script
+
+    script = tmp_path / "two_optimizers.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.nn as nn
+        model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.ReLU(), nn.Linear(1024, 256, bias=False)).cuda()
+        adam = torch.optim.Adam([model[2].weight], lr=1e-3)
+        sgd = torch.optim.SGD([model[0].weight], lr=0.1, momentum=0.9)
+        for step in range(30):
+            model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+            for o in (adam, sgd):
+                o.step()
+            model.zero_grad(set_to_none=True)
+    """))
+    advice = advise_script(str(script), budget="24GiB", target="h200", progress=False)
+    assert advice.baseline.optimizer_state == {"exp_avg": MiB, "exp_avg_sq": MiB, "momentum_buffer": 4 * MiB}
+    assert advice.facts.optimizer == "Adam + SGD"
+
+
 def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
     import torch
 
