@@ -811,6 +811,8 @@ class Tracker:
                     self._optimizers[v] = True
                     self._state_only.add(v)
                     self._record_optimizer_state(v)
+                elif isinstance(v, dict) and self._record_state_dicts(name, v):
+                    pass
                 elif isinstance(v, (list, tuple, dict)) and len(v) == len(self._params):
                     self._record_copy(name, list(v.values()) if isinstance(v, dict) else v)
             for module, name in list(self._others.items()):
@@ -826,6 +828,31 @@ class Tracker:
             return
         for t in values:
             self._ledger.add(_storage(t), Category.OTHER_MODELS, "", name)
+
+    def _record_state_dicts(self, name: str, v: dict) -> bool:
+        """Record ``v``, or a dict it holds, as another model's where it is a state dict of the
+        tracked model on the device: a checkpoint loaded onto the GPU and kept (pytorch/examples'
+        ImageNet keeps ``checkpoint`` for the run). Returns whether one was."""
+        found = False
+        for key, d in [(None, v), *((k, x) for k, x in v.items() if isinstance(x, dict))]:
+            if self._copies_the_model(d):
+                found = True
+                for t in d.values():
+                    if isinstance(t, torch.Tensor) and self._on_device(t):
+                        self._ledger.add(_storage(t), Category.OTHER_MODELS, "", name if key is None else f"{name}[{key!r}]")
+        return found
+
+    def _copies_the_model(self, d: dict) -> bool:
+        """Whether ``d`` is a state dict of the tracked model on the device: a tensor of each
+        parameter's name and shape (DDP's ``module.`` prefix or not), buffers besides."""
+        if len(d) < len(self._params) or not self._params:
+            return False
+        keys = {_unprefixed(k): t for k, t in d.items() if isinstance(k, str)}
+        for ref, _, name in self._params:
+            p, t = ref(), keys.get(_unprefixed(name))
+            if p is None or not isinstance(t, torch.Tensor) or t.shape != p.shape or not self._on_device(t):
+                return False
+        return True
 
     def _adopt_other(self, module: nn.Module, names: dict[int, str] | None = None) -> None:
         """Follow ``module``, met outside the tracked model, as another model if it
@@ -1699,6 +1726,10 @@ class Tracker:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
+
+
+def _unprefixed(key: str) -> str:
+    return key[len("module."):] if key.startswith("module.") else key  # DDP's and DataParallel's
 
 
 def _virtual_device() -> Any:

@@ -1058,9 +1058,11 @@ def test_files_a_simulated_save_did_not_write_are_copied_and_moved_in_the_simula
                     best = torch.load("model_best.pth.tar", map_location="cuda")
                     assert best["state_dict"]["weight"].shape == (512, 512) and best["state_dict"]["weight"].is_cuda
                     assert torch.load(os.path.join("archive", "last.pt"))["bias"].shape == (512,)
-        """), steps=2, target="h200")
+        """), steps=3, target="h200")
     assert not [w for w in caught if "non-meta" in str(w.message)]
     assert report.peak.bytes["parameters"] == 512 * 512 * 4 + 512 * 4
+    # The loaded checkpoint, kept in a variable, is another copy of the model on the GPU (not temporaries).
+    assert report.other_models == {"best['state_dict']": 512 * 512 * 4 + 512 * 4}
     assert (tmp_path / "checkpoint.pth.tar").read_bytes() == b"stale"
     assert (tmp_path / "model_best.pth.tar").read_bytes() == b"the user's best"
     assert not (tmp_path / "last.pt").exists() and not (tmp_path / "tmp.pt").exists()
