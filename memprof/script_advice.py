@@ -54,6 +54,7 @@ from .runner import ScriptError, observe_script, raised
 from .tracker import _wrapped
 from .simulate import _HALF
 from .workload import Workload
+from .units import fmt_bytes
 
 __all__ = ["ScriptAdvice", "advise_script", "verify_script"]
 
@@ -601,7 +602,9 @@ class _Watch:
         params = [p for g in opt.param_groups for p in g["params"]]
         model = self._model()
         if params and model is not None and any(params[0] is p for p in model.parameters()):
-            self.facts.optimizer += f" + {type(opt).__name__}"  # over the model's other parameters (Muon and AdamW)
+            # Over the model's other parameters (Muon beside AdamW; one per parameter, stepped in backward)
+            if type(opt).__name__ not in self.facts.optimizer.split(" + "):
+                self.facts.optimizer += f" + {type(opt).__name__}"
             return
         # (An optimizer of the host's parameters, a large embedding table kept in host memory while the
         # model trains on the GPU, takes no GPU memory.)
@@ -760,6 +763,18 @@ class ScriptAdvice(Advice):
     #: Bytes each plan's peak reserved carries for the cache layout the script's first step leaves
     #: (the script's step as it is, less the same step on an emptied cache).
     cache_excess: int = 0
+    #: The highest peak reserved of a script's step with an evaluation in it (its model called without
+    #: gradients between training steps), and the plan it ran with; (0, "") where none was seen.
+    evaluation: tuple[int, str] = (0, "")
+
+    def evaluation_note(self) -> str | None:
+        """What to say where an evaluation between the steps needs more than the budget."""
+        peak, plan = self.evaluation
+        if peak <= self.budget:
+            return None
+        return (f"an evaluation between the script's training steps (its model called without gradients) peaked at "
+                f"{fmt_bytes(peak)} reserved (with plan {plan}): above the budget of {fmt_bytes(self.budget)}, "
+                "whatever a plan does to the training step; a smaller evaluation batch would fit it")
 
     def code_change(self, plan: str | None = None) -> list[str]:
         """The changes to make in the script for ``plan`` (default: the best)."""
@@ -780,6 +795,7 @@ class ScriptAdvice(Advice):
             "code_change": self.code_change(),
             "script_does": None if self.facts is None else asdict(self.facts),
             "cache_excess_bytes": self.cache_excess,
+            "evaluation_peak_reserved_bytes": self.evaluation[0],
             "skipped": dict(self.skipped),
             "failed": dict(self.failed),
             "plans": [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}  # JSON has no NaN
@@ -828,6 +844,8 @@ class _Schedule:
         self.started = False  # whether the model's forward ran since the current plan was applied
         self._advanced: set[str] = set()
         self._evaluated = True  # whether the script's step before had an evaluation (the first: taken as is)
+        #: The highest peak reserved of a step with an evaluation in it, and the plan it ran with.
+        self.evaluation_peak: tuple[int, str] = (0, "")
 
     def pending(self) -> list[str]:
         return [n for n in self.plans if n not in self.failed and n not in self.skipped
@@ -855,6 +873,9 @@ class _Schedule:
             # gradients every N steps): its peak would be the evaluation's as much as the plan's.
             # The next step is taken instead; a script that calls its model so every step (a DQN
             # acting, a validation batch per step) has them taken as they are.
+            reserved = int(tracker.report().steps["peak_reserved"].iloc[-1])
+            if self._current is not None and reserved > self.evaluation_peak[0]:
+                self.evaluation_peak = (reserved, self._current)
             allocator = self._allocator()
             if allocator is not None:
                 allocator.events = []
@@ -1069,7 +1090,7 @@ def advise_script(
     table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin)
     return ScriptAdvice(nbytes, gpu, world_size, table, baseline, plans, script=str(path), simulated=simulate,
                         applied=built, facts=schedule.facts, failed=schedule.failed, skipped=schedule.skipped,
-                        cache_excess=schedule.cache_excess)
+                        cache_excess=schedule.cache_excess, evaluation=schedule.evaluation_peak)
 
 
 def _coupled_batches(built: dict[str, list], preds: dict, skipped: dict[str, str]) -> None:

@@ -47,6 +47,7 @@ def check_schema(data: dict) -> None:
         "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch",
         "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing", "carried_state"}
     assert isinstance(data["cache_excess_bytes"], int) and data["cache_excess_bytes"] >= 0
+    assert isinstance(data["evaluation_peak_reserved_bytes"], int) and data["evaluation_peak_reserved_bytes"] >= 0
     assert isinstance(data["skipped"], dict) and isinstance(data["failed"], dict)
     assert data["plans"] and data["plans"][0]["plan"] == (data["best"] or data["plans"][0]["plan"])
     for p in data["plans"]:
@@ -928,6 +929,10 @@ def test_an_evaluation_between_steps_is_no_plans_step(tmp_path):
         peaks.append({p["plan"]: p["peak_allocated"] for p in data["plans"]})
     assert set(peaks[0]) == set(peaks[1]) and {"baseline", "accum2", "accum4", "bf16+accum8"} <= set(peaks[0])
     assert peaks[1] == peaks[0]
+    # Above a budget the evaluation is said to be what does not fit, whatever the plan
+    _, r = advise_source(tmp_path, EVALUATING.format(every=3), budget="100MiB")
+    said = r.stdout + r.stderr
+    assert "an evaluation between the script's training steps" in said and "above the budget" in said, said
 
 
 def test_another_optimizer_over_the_models_parameters_is_tracked_with_it(tmp_path):
