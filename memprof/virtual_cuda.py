@@ -842,15 +842,20 @@ class VirtualCUDA:
 
     def _compile(self, model: Any = None, **kwargs: Any) -> Any:
         """``torch.compile``: eager, with a note in the report (compiled code's memory is not simulated)."""
-        self._note_compile()
         if model is None:  # used as @torch.compile(mode=...)
-            return lambda fn: fn
+            return lambda fn: self._compile(fn)
+        self._note_compile(model)
         return model
 
-    def _note_compile(self) -> None:
-        self._note("torch.compile", "simulated eagerly: the report shows eager-mode memory",
-                   "torch.compile is simulated eagerly: the prediction is eager-mode memory (compiled code often "
-                   "needs less for activations); measure on a GPU for the compiled number")
+    def _note_compile(self, what: Any = None) -> None:
+        # A function compiled (a Muon's Newton-Schulz iteration, an optimizer step) fuses its temporaries;
+        # a model compiled, its activations too.
+        module = what is None or isinstance(what, torch.nn.Module)
+        name = "the model" if module else f"{getattr(what, '__qualname__', what)!s}"
+        self._note("torch.compile", f"simulated eagerly ({name}): the report shows eager-mode memory",
+                   f"torch.compile of {name} is simulated eagerly: the prediction is eager-mode memory (compiled code "
+                   f"often needs less for {'activations' if module else 'temporaries'}); measure on a GPU for the "
+                   "compiled number")
 
     def _note(self, what: str, why: str, message: str | None = None) -> None:
         """What runs differently on the simulated GPU: ``why`` in the report's notes under

@@ -166,7 +166,7 @@ def test_lora_trains_only_the_adapters(tmp_path):
 
 def test_compile_runs_eagerly_and_says_so(tmp_path):
     report, stderr = _run("track", "nanogpt-bf16", tmp_path, "--steps", "2", extra=("--compile=True",))
-    assert "torch.compile is simulated eagerly" in stderr
+    assert "torch.compile of the model is simulated eagerly" in stderr
     assert "torch.compile" in report["meta"]["simulation_notes"]
 
 

@@ -1116,3 +1116,21 @@ def test_set_device_parses_as_cuda_does(tmp_path, clean):
             model(torch.randn(8, 512, device="cuda")).sum().backward(); opt.step(); opt.zero_grad()
     """), steps=2, target="h200")
     assert report.peak.bytes["parameters"] == MiB
+
+
+def test_a_compiled_function_is_named_in_the_note(tmp_path, clean):
+    """``@torch.compile`` on a function (a Muon's Newton-Schulz iteration), not the model: the note
+    names it and says what compiling it would spare (its temporaries), not the model's activations."""
+    report = observe_script(write(tmp_path, """
+        import torch
+        @torch.compile
+        def newton_schulz(g):
+            return g @ g.T
+        model = torch.nn.Linear(512, 512, bias=False).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(6):
+            model(torch.randn(8, 512, device="cuda")).sum().backward()
+            newton_schulz(model.weight.grad)
+            opt.step(); opt.zero_grad()
+    """), steps=2, target="h200")
+    assert report.meta["simulation_notes"]["torch.compile"].startswith("simulated eagerly (newton_schulz)")
