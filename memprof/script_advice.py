@@ -895,8 +895,12 @@ class _Schedule:
         key = self.keys[self._current]
         cut = next((m for m in _function_modes() if isinstance(m, _MicroBatchCut)), None)
         if cut is not None and cut.batch and not cut.cuts:
-            self.fail(f"memprof found nothing of the batch's size ({cut.batch} samples, the model's first forward's) to "
-                      "cut in its step: its batch changes size from step to step, or reaches the model another way")
+            if cut.batch % cut.k and cut.sizes:  # only the script's whole step's batch divides: never made whole
+                self.fail(f"the script makes its micro-batches of {cut.batch} samples itself, which do not divide "
+                          f"into {cut.k}")
+            else:
+                self.fail(f"memprof found nothing of the batch's size ({cut.batch} samples, the model's first forward's) "
+                          "to cut in its step: its batch changes size from step to step, or reaches the model another way")
             return self._next()
         derived = None
         if allocator is not None:

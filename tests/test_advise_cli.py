@@ -576,6 +576,22 @@ def test_accumulation_plans_whose_batch_was_not_found_fail(tmp_path):
     assert "baseline" in {p["plan"] for p in data["plans"]} and "bf16" in {p["plan"] for p in data["plans"]}
 
 
+def test_micro_batches_the_script_makes_that_do_not_divide_say_so(tmp_path):
+    """Two micro-batches of 4 samples made by the script: 8 micro-batches per step cannot be cut from them,
+    and the reason given was that the batch changed size from step to step."""
+    data, _ = advise_source(tmp_path, "\n".join([
+        "import torch, torch.nn as nn",
+        "model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)).cuda()",
+        "opt = torch.optim.AdamW(model.parameters())",
+        "for step in range(24):",
+        "    for micro in range(2):",
+        "        (model(torch.randn(4, 256).cuda()).square().mean() / 2).backward()",
+        "    opt.step(); opt.zero_grad()",
+    ]) + "\n")
+    assert data["failed"]["accum8"].startswith("the script makes its micro-batches of 4 samples itself, which do not "
+                                               "divide into 8")
+
+
 ENDS_IN_ERROR = """\
 import torch, torch.nn as nn
 model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).cuda()
