@@ -1413,14 +1413,33 @@ class Tracker:
         module = self._phase_module or self._root_name
         add, on_device = self._ledger.add, self._on_device
         added = 0
-        for g in grad_inputs:
+        for i, g in enumerate(grad_inputs):
             if g is not None and on_device(g):
-                added += add(_storage(g), Category.ACTIVATION_GRADIENTS, module)
+                # A large gradient bound for a parameter without one is its .grad already: AccumulateGrad
+                # takes it as it is (accumulate_grad.h), after this hook, where a peak is sampled.
+                owner = self._gradient_of(i) if g.numel() * g.element_size() >= self._big else None
+                if owner is not None:
+                    added += add(_storage(g), Category.GRADIENTS, owner)
+                else:
+                    added += add(_storage(g), Category.ACTIVATION_GRADIENTS, module)
         if added >= self._big:
             # A large gradient was just produced, and the node's saved tensors
             # are still alive (autograd frees them after its post hooks): the
             # likeliest moment of a backward peak, so look at it exactly.
             self._sample(self._kind, self._phase_module, ("node", ""))
+
+    def _gradient_of(self, i: int) -> str | None:
+        """The module of the parameter the running node's ``i``-th input gradient goes to, where it
+        goes to a parameter (an AccumulateGrad) that has no gradient yet, else None."""
+        node = torch._C._current_autograd_node()
+        try:
+            variable = getattr(node.next_functions[i][0], "variable", None) if node is not None else None
+        except (IndexError, RuntimeError):
+            return None
+        if variable is None or variable.grad is not None:
+            return None
+        known = self._param_names.get(variable)
+        return known[0] if known is not None else None
 
     def _backward_phase(self, names: Iterable[str]) -> tuple[Phase, str]:
         # The innermost open module: a module and its last child share an

@@ -855,3 +855,34 @@ def test_a_module_registered_twice_under_one_parent_is_one_module():
     delta = report.modules["forward_peak_delta"]
     out = 64 * 256 * 4  # each layer's output, 64 KiB
     assert delta["Wrapper._forward_module"] == 3 * out and delta["Wrapper._forward_module.head"] == out
+
+
+def test_a_gradient_bound_for_a_parameter_is_a_gradient_at_its_node():
+    """An embedding's weight gradient (100 MB) is made by its node and taken as ``.grad`` by
+    AccumulateGrad after the node's hook, where backward's peak is sampled: it was counted as an
+    activation gradient there. Exact: the table's gradient and the head's, against the 1024 x 256
+    gradient of the embedding's output."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(100000, 256)
+            self.head = nn.Linear(256, 10)
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    def setup():
+        model = M().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randint(0, 100000, (1024,), device="cuda")
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt, step
+
+    report = memprof.simulate(setup, target="h200", steps=2)
+    assert report.peak.phase == "backward M.emb"
+    assert report.peak.bytes["gradients"] == 100000 * 256 * 4 + 10 * 256 * 4 + 512  # the head's 10 floats of bias: 512 B
+    assert report.peak.bytes["activation_gradients"] == 1024 * 256 * 4
