@@ -126,13 +126,18 @@ class AutocastPolicy:
         def cast(t: Any) -> Any:
             if not _eligible(t, self.device_type) or t.dtype is dtype:
                 return t
-            if t.is_leaf and t.requires_grad and torch.is_autocast_cache_enabled():
+            # autocast_mode.cpp's can_try_cache: a float32 leaf that requires grad, not a view. The cast is
+            # cached with its history even where made under no_grad (PyTorch makes it with grad enabled):
+            # a no_grad forward, then a training one, in one autocast region still reach the weight.
+            if (t.is_leaf and t.requires_grad and t.dtype is torch.float32 and not t._is_view()
+                    and torch.is_autocast_cache_enabled() and not torch.is_inference_mode_enabled()):
                 hit = self._cache.get(t)
                 if hit is not None:
                     cached, version = hit
                     if cached.dtype is dtype and version == t._version:
                         return cached
-                out = t.to(dtype)
+                with torch.enable_grad():
+                    out = t.to(dtype)
                 self._cache[t] = (out, t._version)
                 return out
             return t.to(dtype)

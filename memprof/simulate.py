@@ -151,6 +151,10 @@ class TimeModel:
         tensor_cores = True
         if dtype in _HALF:
             rate, flop_efficiency = half, self.flop_efficiency
+        elif dtype is not None and dtype.is_floating_point and dtype.itemsize == 1:
+            # FP8 (torch._scaled_mm): dense FP8 tensor cores run at twice the 16-bit rate on Ada,
+            # Hopper and Blackwell (H100 SXM: 1979 against 989 TFLOPS, NVIDIA's datasheet)
+            rate, flop_efficiency = 2 * half, self.flop_efficiency
         elif tf32 and gpu.compute_capability >= (8, 0):
             # TF32 where PyTorch allows it: cuDNN's convolutions by default
             # (torch.backends.cudnn.allow_tf32), cuBLAS's matrix products when a
@@ -446,6 +450,10 @@ class SimulatedAllocator(TorchDispatchMode):
             return self._higher_order(func, args, kwargs)
         if func._overloadpacket in _NO_HALF:
             _no_half(func, args)
+        if func._overloadpacket in _SCALED_MM and self.gpu.compute_capability < (8, 9):
+            # ATen's check (Blas.cpp, _scaled_mm_allowed_device): FP8 tensor cores from Ada and Hopper on
+            raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or "
+                               f"8.9, or ROCm MI300+ (simulated {self.gpu.name}: {self.gpu.compute_capability})")
         out, cost = KERNELS.run(func, args, kwargs, _cost)
         own = self.script_meta
         if own is not None and own.claims(args, kwargs):  # the script's own meta tensors: no GPU memory, no kernel
@@ -590,6 +598,10 @@ _NO_HALF = {getattr(torch.ops.aten, name) for name in (
     "linalg_ldl_factor_ex", "linalg_ldl_solve", "_linalg_eigh", "linalg_eig", "_linalg_svd", "linalg_qr",
     "geqrf", "ormqr", "linalg_householder_product", "_linalg_det", "_linalg_slogdet", "linalg_lstsq",
 ) if hasattr(torch.ops.aten, name)}
+
+
+_SCALED_MM = {getattr(torch.ops.aten, name) for name in ("_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm")
+              if hasattr(torch.ops.aten, name)}
 
 
 def _no_half(func, args: tuple) -> None:

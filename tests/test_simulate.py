@@ -886,3 +886,55 @@ def test_a_gradient_bound_for_a_parameter_is_a_gradient_at_its_node():
     assert report.peak.phase == "backward M.emb"
     assert report.peak.bytes["gradients"] == 100000 * 256 * 4 + 10 * 256 * 4 + 512  # the head's 10 floats of bias: 512 B
     assert report.peak.bytes["activation_gradients"] == 1024 * 256 * 4
+
+
+def test_a_weight_cast_under_no_grad_keeps_its_history_in_the_autocast_cache():
+    """A no-grad forward, then a training one, in one autocast region (a teacher's targets, a check):
+    the weight's fp16 cast, cached by the first, had no history, and backward raised "element 0 of
+    tensors does not require grad" where PyTorch trains (it makes cached casts with grad enabled)."""
+    def setup():
+        model = nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randn(64, 1024, device="cuda")
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.float16):
+                with torch.no_grad():
+                    model(x)
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            assert model.weight.grad is not None
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        return model, opt, step
+
+    report = memprof.simulate(setup, target="h200", steps=2)
+    assert report.peak.bytes["gradients"] == 1024 * 1024 * 4 + 1024 * 4
+
+
+def test_fp8_matrix_products_run_on_fp8_tensor_cores_where_the_gpu_has_them():
+    """torch._scaled_mm (a Float8Linear's products): on an H200 at twice the 16-bit rate, as NVIDIA's
+    datasheets give dense FP8 (it was priced at the fp32 rate, 17x too slow); on an A100, which has
+    no FP8 tensor cores, it raises ATen's error."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator, TimeModel
+    from memprof.virtual_cuda import VirtualCUDA
+
+    h200, model, flops = get_gpu("h200"), TimeModel(), 2 * 16384 * 4096 * 4096
+    fp8, bf16 = (model.seconds(h200, flops, 0, d) - model.per_kernel for d in (torch.float8_e4m3fn, torch.bfloat16))
+    assert fp8 == pytest.approx(bf16 / 2, rel=1e-12)
+
+    def scaled_mm():
+        a = torch.empty(256, 512, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.empty(256, 512, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+        one = torch.ones((), device="cuda")
+        return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+
+    for name, allowed in (("h200", True), ("A100-80GB", False)):
+        gpu = get_gpu(name)
+        with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)):
+            if allowed:
+                assert scaled_mm().shape == (256, 256)
+            else:
+                with pytest.raises(RuntimeError, match="compute capability >= 9.0 or 8.9"):
+                    scaled_mm()
