@@ -113,15 +113,25 @@ class Values(TorchDispatchMode):
         self._shadows: dict[weakref.ref, torch.UntypedStorage] = {}
         # Truth tensors too large for a shadow whose every element is known (Values.assume).
         self._constants: dict[weakref.ref, bool] = {}
+        # Indices made up spread evenly (topk, argmax of values not followed): noted once read.
+        self._spread: dict[weakref.ref, None] = {}
+
+    def _spread_gone(self, key: weakref.ref) -> None:
+        self._spread.pop(key, None)
 
     # -- reading ---------------------------------------------------------------
     def shadow(self, t: torch.Tensor) -> torch.Tensor | None:
         """``t``'s values as a CPU tensor (``t`` itself when it is not a meta tensor), or None."""
         if not t.is_meta:
             return t
-        storage = self._shadows.get(weakref.ref(t.untyped_storage()))
+        key = weakref.ref(t.untyped_storage())
+        storage = self._shadows.get(key)
         if storage is None:
             return None
+        if self._spread and key in self._spread:
+            _note("topk, argmax", "the indices of topk, argmax, argmin, max(dim) or min(dim) of values not "
+                  "followed: spread evenly over their dimension (so a mixture of experts' router gives each "
+                  "expert an equal share of the tokens)")
         return torch.empty(0, dtype=t.dtype, device=_CPU).set_(storage, t.storage_offset(), t.size(), t.stride())
 
     def host_copy(self, t: torch.Tensor) -> torch.Tensor:
@@ -204,9 +214,8 @@ class Values(TorchDispatchMode):
             indices = out if isinstance(out, torch.Tensor) else out[1]
             if indices.dtype is torch.long and _whole(indices, self.limit):
                 self._keep(indices, _spread(func, args, kwargs, indices))
-                _note("topk, argmax", "the indices of topk, argmax, argmin, max(dim) or min(dim) of values not "
-                      "followed: spread evenly over their dimension (so a mixture of experts' router gives each "
-                      "expert an equal share of the tokens)")
+                # Noted where they are read (shadow): max(dim).values of a stable softmax uses none
+                self._spread[weakref.ref(indices.untyped_storage(), self._spread_gone)] = None
             return out
         if not known and name in _OF_CONSTANTS and func._overloadname != "out":
             value = self._constants.get(weakref.ref(metas[0].untyped_storage()))

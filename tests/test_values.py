@@ -154,6 +154,8 @@ def test_a_router_of_values_not_followed_spreads_tokens_evenly():
     with VirtualCUDA("h200") as gpu:
         hidden = torch.randn(n, 1024, device="cuda")  # 16 MiB: not followed
         logits = hidden[:, :e] * 1.0
+        stable = logits - logits.max(-1, keepdim=True).values  # a stable softmax's max: its indices unused
+        assert "topk, argmax" not in gpu.notes  # nothing was made up that the step reads
         weights, selected = torch.topk(logits.softmax(-1), k, dim=-1)
         assert gpu.values.shadow(weights) is None  # the weights stay unknown
         expert_mask = torch.nn.functional.one_hot(selected, num_classes=e).permute(2, 1, 0)
