@@ -471,11 +471,11 @@ def _needs_logsumexp(q, k, v) -> bool:
 
 
 def _preprocess_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Memory-efficient attention's mask: expanded to 4-D, its last dimension padded to 16 (preprocess_mask)."""
-    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    last = mask.shape[-1]
-    if last % 16:
-        return torch.nn.functional.pad(mask, (0, 16 - last % 16))[..., :last]
-    if any(mask.stride(i) % 16 for i in range(3)):
-        return mask.contiguous()
-    return mask
+    """Memory-efficient attention's mask, as attention.cpp's preprocess_mask makes it: where its
+    strides are not multiples of 8 elements (or its last is not 1), padded in its last dimension
+    (pad_bias: to the next multiple of 8, then sliced back); then expanded to 4-D, a view. A mask
+    broadcast over the heads stays one copy for all of them."""
+    if not (mask.stride(-1) == 1 and all(s % 8 == 0 for s in mask.stride()[:-1])):
+        last = mask.shape[-1]
+        mask = torch.nn.functional.pad(mask, (0, 8 - last % 8))[..., :last]
+    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
