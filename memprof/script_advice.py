@@ -77,7 +77,7 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
     cut = None
     if w.micro_batches > 1:
         batch = facts.batch_size if facts is not None else None
-        cut = _MicroBatchCut(w.micro_batches, batch, facts.micro_batches if facts is not None else 1)
+        cut = _MicroBatchCut(w.micro_batches, batch, facts.micro_batches if facts is not None else 1, model)
         if batch and not cut.sizes:
             raise ValueError(f"a batch of {batch} samples cannot be cut into {w.micro_batches} micro-batches "
                              "of equal size")
@@ -263,9 +263,10 @@ class _MicroBatchCut(TorchFunctionMode):
     and rejected answers, SimCLR's two views), so each part gives the
     micro-batch its share."""
 
-    def __init__(self, k: int, batch: int | None, script_micro_batches: int = 1) -> None:
+    def __init__(self, k: int, batch: int | None, script_micro_batches: int = 1, model: nn.Module | None = None) -> None:
         super().__init__()
         self.k = k
+        self._model = weakref.ref(model) if model is not None else None
         self.batch = batch
         self.sizes = {n for n in (batch, batch * script_micro_batches if batch else None) if n and n % k == 0}
         self._parts = {n // k for n in self.sizes}
@@ -281,9 +282,18 @@ class _MicroBatchCut(TorchFunctionMode):
             return t[: t.shape[0] // self.k]
         return t
 
+    def _evaluating(self) -> bool:
+        """Whether the script evaluates now, not trains: gradients off (no_grad, inference_mode), or the
+        model in eval mode (the Hugging Face Trainer's evaluation loop moves and pads its batches with
+        gradients on, after model.eval())."""
+        if not torch.is_grad_enabled():
+            return True
+        model = self._model() if self._model is not None else None
+        return model is not None and not model.training
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not torch.is_grad_enabled():  # evaluation between steps (no_grad, inference_mode): not the step's
+        if self._evaluating():  # evaluation between steps: not the step's
             return func(*args, **kwargs)
         if not self._in_model and getattr(func, "__name__", "") in _SAMPLEWISE:
             args, kwargs = self._match(args, kwargs)
@@ -323,7 +333,7 @@ class _MicroBatchCut(TorchFunctionMode):
 
         @functools.wraps(fn)
         def wrapped(*args, **kwargs):
-            if not torch.is_grad_enabled():  # evaluation between steps: as the script runs it
+            if self._evaluating():  # evaluation between steps: as the script runs it
                 return fn(*args, **kwargs)
             args, kwargs = tree_map(lambda t: cut(t, device_only=False), (args, kwargs))
             self._in_model += 1

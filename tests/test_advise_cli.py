@@ -974,6 +974,31 @@ def test_another_optimizer_over_the_models_parameters_is_tracked_with_it(tmp_pat
     assert advice.facts.optimizer == "Adam + SGD"
 
 
+def test_an_evaluation_with_gradients_on_is_not_cut(tmp_path):
+    """The Hugging Face Trainer's evaluation loop, after model.eval(), moves its batch to the device and
+    pads predictions with gradients on (only the forward runs under no_grad): the accumulation plans cut
+    those tensors as a training batch's (a batch of 8 became 1 under accum8)."""
+    data, _ = advise_source(tmp_path, "\n".join([
+        "import torch, torch.nn as nn",
+        "model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)).cuda()",
+        "opt = torch.optim.AdamW(model.parameters())",
+        "for step in range(40):",
+        "    model.train()",
+        "    model(torch.randn(8, 16).cuda()).square().mean().backward()",
+        "    opt.step(); opt.zero_grad()",
+        "    if step % 4 == 3:",
+        "        model.eval()",
+        "        batch = torch.randn(8, 16).cuda()",
+        "        with torch.no_grad():",
+        "            out = model(batch)",
+        "        padded = out.new_full((8, 16), -100.0)",
+        f"        open({str(tmp_path / 'shapes.txt')!r}, 'a').write(f'{{len(batch)}} {{len(out)}} {{len(padded)}}\\n')",
+    ]) + "\n")
+    assert not {"accum2", "accum4", "accum8"} & set(data["failed"]), data["failed"]
+    shapes = (tmp_path / "shapes.txt").read_text().split()
+    assert shapes and set(shapes) == {"8"}
+
+
 def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
     import torch
 
