@@ -773,7 +773,7 @@ class ScriptAdvice(Advice):
     #: Bytes each plan's peak reserved carries for the cache layout the script's first step leaves
     #: (the script's step as it is, less the same step on an emptied cache).
     cache_excess: int = 0
-    #: The highest peak reserved of a script's step with an evaluation in it (its model called without
+    #: The highest peak allocated of a script's step with an evaluation in it (its model called without
     #: gradients between training steps), and the plan it ran with; (0, "") where none was seen.
     evaluation: tuple[int, str] = (0, "")
 
@@ -783,7 +783,7 @@ class ScriptAdvice(Advice):
         if peak <= self.budget:
             return None
         return (f"an evaluation between the script's training steps (its model called without gradients) peaked at "
-                f"{fmt_bytes(peak)} reserved (with plan {plan}): above the budget of {fmt_bytes(self.budget)}, "
+                f"{fmt_bytes(peak)} allocated (with plan {plan}): above the budget of {fmt_bytes(self.budget)}, "
                 "whatever a plan does to the training step; a smaller evaluation batch would fit it")
 
     def code_change(self, plan: str | None = None) -> list[str]:
@@ -805,7 +805,7 @@ class ScriptAdvice(Advice):
             "code_change": self.code_change(),
             "script_does": None if self.facts is None else asdict(self.facts),
             "cache_excess_bytes": self.cache_excess,
-            "evaluation_peak_reserved_bytes": self.evaluation[0],
+            "evaluation_peak_allocated_bytes": self.evaluation[0],
             "skipped": dict(self.skipped),
             "failed": dict(self.failed),
             "plans": [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}  # JSON has no NaN
@@ -854,7 +854,8 @@ class _Schedule:
         self.started = False  # whether the model's forward ran since the current plan was applied
         self._advanced: set[str] = set()
         self._evaluated = True  # whether the script's step before had an evaluation (the first: taken as is)
-        #: The highest peak reserved of a step with an evaluation in it, and the plan it ran with.
+        #: The highest peak allocated of a step with an evaluation in it, and the plan it ran with (allocated:
+        #: the reserved high-water mark a step reads may be from before the cache was emptied for the plan).
         self.evaluation_peak: tuple[int, str] = (0, "")
 
     def pending(self) -> list[str]:
@@ -883,9 +884,9 @@ class _Schedule:
             # gradients every N steps): its peak would be the evaluation's as much as the plan's.
             # The next step is taken instead; a script that calls its model so every step (a DQN
             # acting, a validation batch per step) has them taken as they are.
-            reserved = int(tracker.report().steps["peak_reserved"].iloc[-1])
-            if self._current is not None and reserved > self.evaluation_peak[0]:
-                self.evaluation_peak = (reserved, self._current)
+            allocated = int(tracker.report().steps["peak_allocated"].iloc[-1])
+            if self._current is not None and allocated > self.evaluation_peak[0]:
+                self.evaluation_peak = (allocated, self._current)
             allocator = self._allocator()
             if allocator is not None:
                 allocator.events = []
