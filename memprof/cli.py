@@ -192,8 +192,8 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
         _line(console, f"memprof: {shown} could not run: {why}")
     shown = advice.table.head(args.top) if args.top else advice.table
     console.print(advice.rich_table(shown))
-    if advice.evaluation_note():
-        _line(console, f"memprof: {advice.evaluation_note()}")
+    for note in advice.notes():
+        _line(console, f"memprof: {note}")
     best = advice.best
     if best is None:
         _line(console, f"memprof: no plan fits {_gib(advice.budget)} per rank; more ranks (--world-size) or a larger GPU would")

@@ -46,6 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack as _function_modes
 from torch.utils._pytree import tree_map
 
+from .aten_args import tensors
 from .advisor import Advice, PlanFactory, _adjusted, _name, _progress, _spread, _step_view, default_plans, parse_budget, plan_table, rank
 from .hooks import Shared
 from .devices import GPU, get_gpu
@@ -776,15 +777,28 @@ class ScriptAdvice(Advice):
     #: The highest peak allocated of a script's step with an evaluation in it (its model called without
     #: gradients between training steps), and the plan it ran with; (0, "") where none was seen.
     evaluation: tuple[int, str] = (0, "")
+    #: The shapes (but the first dimension) of the model's training inputs the plans' steps ran on, where
+    #: they were not all alike (dynamic padding: each batch as long as its longest sequence).
+    batch_shapes: list[tuple] = field(default_factory=list)
 
-    def evaluation_note(self) -> str | None:
-        """What to say where an evaluation between the steps needs more than the budget."""
+    def notes(self) -> list[str]:
+        """What the table alone does not say: an evaluation between the steps that needs more than the
+        budget; plans that ran on batches of different shapes."""
+        out = []
         peak, plan = self.evaluation
-        if peak <= self.budget:
-            return None
-        return (f"an evaluation between the script's training steps (its model called without gradients) peaked at "
-                f"{fmt_bytes(peak)} allocated (with plan {plan}): above the budget of {fmt_bytes(self.budget)}, "
-                "whatever a plan does to the training step; a smaller evaluation batch would fit it")
+        if peak > self.budget:
+            out.append(f"an evaluation between the script's training steps (its model called without gradients) "
+                       f"peaked at {fmt_bytes(peak)} allocated (with plan {plan}): above the budget of "
+                       f"{fmt_bytes(self.budget)}, whatever a plan does to the training step; a smaller evaluation "
+                       "batch would fit it")
+        if self.batch_shapes:
+            shown = ", ".join(str(list(shape)) for shape in self.batch_shapes[:4])
+            out.append(f"the script's batches change shape from step to step ({len(self.batch_shapes)} shapes past the "
+                       f"first dimension: {shown}{', ...' if len(self.batch_shapes) > 4 else ''}), and each plan ran "
+                       "on the batch of its own step: their peaks differ by the batch as well as by the plan. Pad to "
+                       "one length (padding='max_length', a fixed crop) to compare plans, and size the budget for "
+                       "the longest batch")
+        return out
 
     def code_change(self, plan: str | None = None) -> list[str]:
         """The changes to make in the script for ``plan`` (default: the best)."""
@@ -806,6 +820,7 @@ class ScriptAdvice(Advice):
             "script_does": None if self.facts is None else asdict(self.facts),
             "cache_excess_bytes": self.cache_excess,
             "evaluation_peak_allocated_bytes": self.evaluation[0],
+            "varying_batch_shapes": [[list(t) for t in shape] for shape in self.batch_shapes],
             "skipped": dict(self.skipped),
             "failed": dict(self.failed),
             "plans": [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}  # JSON has no NaN
@@ -854,6 +869,8 @@ class _Schedule:
         self.started = False  # whether the model's forward ran since the current plan was applied
         self._advanced: set[str] = set()
         self._evaluated = True  # whether the script's step before had an evaluation (the first: taken as is)
+        #: The shapes (but the first dimension) of the model's training inputs seen, and the plans they ran with.
+        self.shapes: dict[tuple, set[str]] = {}
         #: The highest peak allocated of a step with an evaluation in it, and the plan it ran with (allocated:
         #: the reserved high-water mark a step reads may be from before the cache was emptied for the plan).
         self.evaluation_peak: tuple[int, str] = (0, "")
@@ -1014,7 +1031,8 @@ class _Schedule:
                 self._advance(name)
                 continue
             self._current, self._done, self.started = name, 0, False
-            handle = self.model.register_forward_pre_hook(Shared(self._on_forward))  # copies of the model share it
+            # (copies of the model share it)
+            handle = self.model.register_forward_pre_hook(Shared(self._on_forward), with_kwargs=True)
             self._stack.callback(handle.remove)
             if hasattr(self.advance, "now"):
                 self.advance.now(name)
@@ -1030,8 +1048,12 @@ class _Schedule:
             return True
         return False
 
-    def _on_forward(self, module: nn.Module, args: tuple) -> None:
+    def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.started = True
+        if torch.is_grad_enabled() and module.training and self._current is not None:
+            # The batch's shape but its first dimension (which accumulation cuts): dynamic padding changes it
+            shape = tuple(tuple(t.shape[1:]) for t in tensors(args, kwargs) if isinstance(t, torch.Tensor))
+            self.shapes.setdefault(shape, set()).add(self._current)
 
     def _advance(self, name: str) -> None:
         if self.advance is not None and name not in self._advanced:
@@ -1105,7 +1127,8 @@ def advise_script(
     table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin)
     return ScriptAdvice(nbytes, gpu, world_size, table, baseline, plans, script=str(path), simulated=simulate,
                         applied=built, facts=schedule.facts, failed=schedule.failed, skipped=schedule.skipped,
-                        cache_excess=schedule.cache_excess, evaluation=schedule.evaluation_peak)
+                        cache_excess=schedule.cache_excess, evaluation=schedule.evaluation_peak,
+                        batch_shapes=sorted(schedule.shapes) if len(schedule.shapes) > 1 else [])
 
 
 def _coupled_batches(built: dict[str, list], preds: dict, skipped: dict[str, str]) -> None:

@@ -48,6 +48,7 @@ def check_schema(data: dict) -> None:
         "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing", "carried_state"}
     assert isinstance(data["cache_excess_bytes"], int) and data["cache_excess_bytes"] >= 0
     assert isinstance(data["evaluation_peak_allocated_bytes"], int) and data["evaluation_peak_allocated_bytes"] >= 0
+    assert isinstance(data["varying_batch_shapes"], list)
     assert isinstance(data["skipped"], dict) and isinstance(data["failed"], dict)
     assert data["plans"] and data["plans"][0]["plan"] == (data["best"] or data["plans"][0]["plan"])
     for p in data["plans"]:
@@ -972,6 +973,26 @@ def test_another_optimizer_over_the_models_parameters_is_tracked_with_it(tmp_pat
     advice = advise_script(str(script), budget="24GiB", target="h200", progress=False)
     assert advice.baseline.optimizer_state == {"exp_avg": MiB, "exp_avg_sq": MiB, "momentum_buffer": 4 * MiB}
     assert advice.facts.optimizer == "Adam + SGD"
+
+
+def test_plans_run_on_batches_of_other_shapes_say_so(tmp_path):
+    """Dynamic padding (Hugging Face's DataCollatorWithPadding): each batch is as long as its longest
+    sequence, so each plan's step ran on a batch of another length, and the table compared the batches
+    as much as the plans (a BERT-base advise recommended activation offload measured on sequences of
+    268 where the script's longest are 512). The shapes seen are said; fixed shapes say nothing."""
+    data, r = advise_source(tmp_path, "\n".join([
+        "import torch, torch.nn as nn",
+        "model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1000)).cuda()",
+        "opt = torch.optim.AdamW(model.parameters())",
+        "for step in range(40):",
+        "    ids = torch.randint(0, 1000, (8, (128, 64, 32)[step % 3])).cuda()",
+        "    nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()",
+        "    opt.step(); opt.zero_grad()",
+    ]) + "\n")
+    assert data["varying_batch_shapes"] == [[[32]], [[64]], [[128]]]
+    assert "the script's batches change shape from step to step (3 shapes" in r.stdout + r.stderr
+    fixed, _ = advise_source(tmp_path, EVALUATING.format(every=0))
+    assert fixed["varying_batch_shapes"] == []
 
 
 def test_an_evaluation_with_gradients_on_is_not_cut(tmp_path):
