@@ -711,8 +711,11 @@ class VirtualCUDA:
             for module, attr, fn in self._file_operations():
                 stack.enter_context(_replace(module, attr, fn))
             if torch.distributed.is_available():
-                stack.enter_context(_replace(torch.distributed, "init_process_group",
-                                             self._init_process_group(torch.distributed.init_process_group)))
+                # Where it is defined and every module that imported it: init_device_mesh makes the
+                # default group itself where a script made none (PyTorch's tensor-parallel tutorial).
+                init = self._init_process_group(torch.distributed.init_process_group)
+                for module, attr in _imported(torch.distributed.init_process_group):
+                    stack.enter_context(_replace(module, attr, init))
                 # DDP and FSDP compare the parameters' shapes across ranks, reading the
                 # gathered sizes back from the device: one simulated rank has none to compare.
                 stack.enter_context(_replace(torch.distributed, "_verify_params_across_processes",

@@ -1134,3 +1134,29 @@ def test_a_compiled_function_is_named_in_the_note(tmp_path, clean):
             opt.step(); opt.zero_grad()
     """), steps=2, target="h200")
     assert report.meta["simulation_notes"]["torch.compile"].startswith("simulated eagerly (newton_schulz)")
+
+
+def test_a_device_mesh_makes_the_process_group_itself(tmp_path, clean, monkeypatch):
+    """PyTorch's tensor-parallel tutorial calls init_device_mesh without init_process_group: the mesh
+    makes the default group with its own import of init_process_group, which was not the simulated one
+    (NCCL on a CPU build; a rendezvous waiting for ranks that never come with WORLD_SIZE=4). One rank of
+    four holds a quarter of a column-parallel weight, and Adam's state of that quarter."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    report = observe_script(write(tmp_path, """
+        import torch
+        from torch import nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+        mesh = init_device_mesh("cuda", (4,))
+        model = parallelize_module(nn.Linear(1024, 1024, bias=False).cuda(), mesh, ColwiseParallel())
+        opt = torch.optim.Adam(model.parameters())
+        for step in range(6):
+            model(torch.randn(8, 1024, device="cuda")).sum().backward()
+            opt.step(); opt.zero_grad()
+    """), steps=2, target="h200", timeout=120)
+    assert "one rank of 4 " in report.meta["simulation_notes"]["torch.distributed"]
+    assert report.peak.bytes["parameters"] == 1024 * 1024 * 4 // 4
+    assert report.optimizer_state["exp_avg"] == 1024 * 1024 * 4 // 4
