@@ -207,7 +207,7 @@ def _later_micro_batches(model: nn.Module, optimizer: torch.optim.Optimizer | No
     owners = [(o, vars(o).get("zero_grad")) for o in (optimizer, model) if o is not None]
     for owner, _ in owners:
         # Through the instance's __dict__: a wrapper's __setattr__ (Fabric's) would pass it on.
-        vars(owner)["zero_grad"] = functools.partial(_zero_in_place, owner.zero_grad)
+        vars(owner)["zero_grad"] = functools.partial(_zero_in_place, owner.zero_grad, owner)
     try:
         yield
     finally:
@@ -218,8 +218,18 @@ def _later_micro_batches(model: nn.Module, optimizer: torch.optim.Optimizer | No
                 vars(owner)["zero_grad"] = own
 
 
-def _zero_in_place(zero_grad, set_to_none: bool = True, *args: Any, **kwargs: Any) -> None:
-    zero_grad(False, *args, **kwargs)
+def _zero_in_place(zero_grad, owner, set_to_none: bool = True, *args: Any, **kwargs: Any) -> None:
+    try:
+        zero_grad(False, *args, **kwargs)
+    except RuntimeError:
+        # A DTensor gradient pending a reduction (Partial: a sequence-parallel norm's weight) refuses an
+        # in-place zero; its local tensor is what its memory is, and what accumulation adds into.
+        params = ([p for g in owner.param_groups for p in g["params"]] if isinstance(owner, torch.optim.Optimizer)
+                  else list(owner.parameters()))
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).zero_()
 
 
 def _under(make_context, fn):
@@ -1154,7 +1164,7 @@ def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> 
     """Run the script until every plan ran or failed; the first run's report's ``meta``."""
     meta = None
     while schedule.pending():
-        before = len(schedule.pending())
+        before, ended = len(schedule.pending()), None
         try:
             report = observe_script(
                 path, args, steps=schedule.steps * before + 1, warmup=1, timeout=timeout,
@@ -1171,6 +1181,7 @@ def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> 
                 schedule.fail(said)
             else:  # after the last plan's step, before the next one began: the script's end, not the plan's
                 log.warning("%s after its training steps; the plans not run yet run in another run of it", said)
+                ended = said
             schedule.end_run(exc.report)
             report = exc.report
         else:
@@ -1178,7 +1189,8 @@ def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> 
         meta = meta or (report.meta if report is not None else None)
         if len(schedule.pending()) == before:  # the script ended before the next plan could run
             for name in schedule.pending():
-                schedule.failed[name] = "the script ended before this plan could run: run it for more steps"
+                schedule.failed[name] = ("the script ended before this plan could run: run it for more steps"
+                                         if ended is None else f"{ended}, before this plan's first forward")
                 schedule._advance(name)
     return meta or {}
 

@@ -1020,6 +1020,23 @@ def test_an_evaluation_with_gradients_on_is_not_cut(tmp_path):
     assert shapes and set(shapes) == {"8"}
 
 
+def test_accumulation_zeroes_a_sequence_parallel_gradient_pending_its_reduction(monkeypatch):
+    """A sequence-parallel norm's weight gradient is a DTensor pending its reduction (Partial), which
+    refuses the in-place zero accumulation asks of zero_grad ("in-place operations that require placement
+    changes are not supported"): every plan of the tensor-parallel tutorial's Llama failed, said to be the
+    script's end. Its local tensor is zeroed instead."""
+    from memprof.script_advice import advise_script
+    from memprof.strategies import Accumulation
+
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "29512")):
+        monkeypatch.setenv(name, value)
+    script = Path(__file__).parents[1] / "benchmarks" / "scripts" / "tp_llama.py"
+    advice = advise_script(str(script), ["--steps", "12"], budget="24GiB", target="h200", progress=False,
+                           plans={"accum2": lambda: [Accumulation(2)]})
+    assert "accum2" not in advice.failed, advice.failed
+    assert "accum2" in advice.table.index
+
+
 def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
     import torch
 
