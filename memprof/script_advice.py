@@ -686,7 +686,7 @@ class _Watch:
 
 def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, who: str) -> dict[str, str]:
     """The plans that would repeat what the training (``who``: "script", "fit") does already, and why."""
-    from memprof.strategies import Accumulation, Autocast, Checkpointing, ZeRO, find_blocks
+    from memprof.strategies import Accumulation, ActivationOffload, Autocast, Checkpointing, ZeRO, find_blocks
 
     # Blocks the optimizer trains: a frozen encoder's (Whisper's with freeze_encoder()) keeps
     # nothing for a backward that never reaches it, so it never recomputes either. Hugging Face's
@@ -695,12 +695,21 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
     covered = getattr(model, "is_gradient_checkpointing", False) is True or (
         bool(blocks) and all(any(b == c or b.startswith(c + ".") for c in facts.checkpointed) for b in blocks))
     fsdp = _fsdp(model)
+    # Tensor parallelism alone (DTensor parameters, no FSDP): fully_shard of a tensor-parallel model on a
+    # group of one rank fails in PyTorch (its mesh has no data-parallel dimension), and save_on_cpu copies
+    # a DTensor's saved activations into a plain pinned tensor (which raises where it packs).
+    tensor_parallel = not fsdp and any(type(p).__name__ == "DTensor" for p in model.parameters())
     out = {}
     for name, strategies in plans.items():
         zero = [s for s in strategies if isinstance(s, ZeRO)]
         if fsdp and zero:
             out[name] = (f"the {who} shards the model already ({fsdp}): memprof's sharding and state offload "
                          "plans are for an unsharded model; FSDP's own CPUOffload offloads its shards")
+            continue
+        if tensor_parallel and (zero or any(isinstance(s, ActivationOffload) for s in strategies)):
+            out[name] = (f"the {who} shards the model by tensor parallelism (DTensor parameters): memprof's "
+                         "sharding, state offload and activation offload plans are for plain tensors; shard the "
+                         "state over a data-parallel mesh dimension instead (fully_shard with a 2-D mesh)")
             continue
         if facts.carried_state and any(isinstance(s, Accumulation) for s in strategies):
             out[name] = (f"the {who} passes {facts.carried_state} of the model's outputs back to its next forward (a "
