@@ -217,13 +217,13 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         own = self.vc.meta_tensors
         if own is not None:
+            name = getattr(func, "__name__", "")
             if args and isinstance(args[0], torch.Tensor) and own.holds(args[0]):
-                name = getattr(func, "__name__", "")
                 if name == "cuda" or name == "to" and _asks(own, args[1:], kwargs) is False:
                     raise NotImplementedError(_NO_DATA)  # as PyTorch's meta tensors: to_empty, not to
                 if getattr(func, "__self__", None) in (_DEVICE, _IS_CUDA) or name in _ON_META:
                     return func(*args, **kwargs)  # a meta tensor's own answer (device meta, no values)
-            asked = _asks(own, args[1:], kwargs) if getattr(func, "__name__", "") == "to" else (
+            asked = _asks(own, args[1:], kwargs) if name == "to" else (
                 _asks_meta(kwargs["device"]) if kwargs.get("device") is not None else
                 True if func in _device_constructors() and self.vc.meta_block() else None)
             if asked is not None:
@@ -667,8 +667,9 @@ class VirtualCUDA:
             def set_default_device(device) -> None:
                 changed.append(True)
                 set_default(_device_arg(device))
-                self._simulated_default = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None) if (
-                    _device_arg(device) is _META and _asks_meta(device) is not True) else None
+                simulated = _asks_meta(device) is False  # CUDA (by name, device or index): the simulated GPU
+                self._simulated_default = getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context",
+                                                  None) if simulated else None
 
             # Only a script that changed the default has it put back: setting "cpu"
             # would leave a device mode on every later torch call of the process.
