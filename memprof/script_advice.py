@@ -289,6 +289,8 @@ class _MicroBatchCut(TorchFunctionMode):
     def _cut(self, t: Any, device_only: bool = True, sizes: set[int] | None = None) -> Any:
         if (isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] in (sizes or self.sizes)
                 and not (device_only and t.device.type == "cpu")):
+            if t.is_nested:  # PyTorch slices no nested tensor along its batch ("slice(): not supported")
+                raise ValueError("the batch is a nested jagged tensor, which memprof does not cut into micro-batches")
             self.cuts += 1
             return t[: t.shape[0] // self.k]
         return t
@@ -1071,7 +1073,9 @@ class _Schedule:
         self.started = True
         if torch.is_grad_enabled() and module.training and self._current is not None:
             # The batch's shape but its first dimension (which accumulation cuts): dynamic padding changes it
-            shape = tuple(tuple(t.shape[1:]) for t in tensors(args, kwargs) if isinstance(t, torch.Tensor))
+            # (a nested jagged tensor's ragged size is symbolic, another per batch: named as PyTorch prints it)
+            shape = tuple(tuple(d if isinstance(d, int) else str(d) for d in t.shape[1:])
+                          for t in tensors(args, kwargs) if isinstance(t, torch.Tensor))
             self.shapes.setdefault(shape, set()).add(self._current)
 
     def _advance(self, name: str) -> None:
@@ -1147,7 +1151,12 @@ def advise_script(
     return ScriptAdvice(nbytes, gpu, world_size, table, baseline, plans, script=str(path), simulated=simulate,
                         applied=built, facts=schedule.facts, failed=schedule.failed, skipped=schedule.skipped,
                         cache_excess=schedule.cache_excess, evaluation=schedule.evaluation_peak,
-                        batch_shapes=sorted(schedule.shapes) if len(schedule.shapes) > 1 else [])
+                        batch_shapes=sorted(schedule.shapes, key=_shape_order) if len(schedule.shapes) > 1 else [])
+
+
+def _shape_order(shape: tuple) -> list:
+    """Shapes in order, sizes by number, a nested tensor's symbolic ones (named) after them."""
+    return [[(0, d) if isinstance(d, int) else (1, d) for d in sizes] for sizes in shape]
 
 
 def _coupled_batches(built: dict[str, list], preds: dict, skipped: dict[str, str]) -> None:

@@ -1039,6 +1039,18 @@ def test_accumulation_zeroes_a_sequence_parallel_gradient_pending_its_reduction(
     assert advice.skipped["offload_act"].startswith("the script shards the model by tensor parallelism")
 
 
+def test_accumulation_of_a_nested_jagged_batch_says_why_it_cannot_run():
+    """Sequences packed as one nested jagged tensor: PyTorch slices none along its batch, and the plans
+    failed with its slicing error at a line of the script; they say what memprof cannot cut."""
+    from memprof.script_advice import advise_script
+    from memprof.strategies import Accumulation
+
+    script = Path(__file__).parents[1] / "benchmarks" / "scripts" / "jagged_packing.py"
+    advice = advise_script(str(script), ["--steps", "12"], budget="24GiB", target="h200", progress=False,
+                           plans={"accum2": lambda: [Accumulation(2)]})
+    assert "the batch is a nested jagged tensor" in advice.failed["accum2"]
+
+
 def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
     import torch
 
