@@ -890,8 +890,8 @@ class _Schedule:
         self.started = False  # whether the model's forward ran since the current plan was applied
         self._advanced: set[str] = set()
         self._evaluated = True  # whether the script's step before had an evaluation (the first: taken as is)
-        #: The shapes (but the first dimension) of the model's training inputs seen, and the plans they ran with.
-        self.shapes: dict[tuple, set[str]] = {}
+        #: The shapes (but the first dimension) of the model's training inputs seen while plans ran.
+        self.shapes: set[tuple] = set()
         #: The highest peak allocated of a step with an evaluation in it, and the plan it ran with (allocated:
         #: the reserved high-water mark a step reads may be from before the cache was emptied for the plan).
         self.evaluation_peak: tuple[int, str] = (0, "")
@@ -1076,7 +1076,7 @@ class _Schedule:
             # (a nested jagged tensor's ragged size is symbolic, another per batch: named as PyTorch prints it)
             shape = tuple(tuple(d if isinstance(d, int) else str(d) for d in t.shape[1:])
                           for t in tensors(args, kwargs) if isinstance(t, torch.Tensor))
-            self.shapes.setdefault(shape, set()).add(self._current)
+            self.shapes.add(shape)
 
     def _advance(self, name: str) -> None:
         if self.advance is not None and name not in self._advanced:

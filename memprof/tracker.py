@@ -811,17 +811,21 @@ class Tracker:
                     self._optimizers[v] = True
                     self._state_only.add(v)
                     self._record_optimizer_state(v)
-                elif isinstance(v, dict) and self._record_state_dicts(name, v):
-                    pass
-                elif isinstance(v, (list, tuple, dict)) and len(v) == len(self._params):
-                    self._record_copy(name, list(v.values()) if isinstance(v, dict) else v)
+                elif isinstance(v, (list, tuple, dict)):
+                    self._record_copy(name, v)
             for module, name in list(self._others.items()):
                 self._record_other(module, name)
 
-    def _record_copy(self, name: str, values: list) -> None:
-        """Record ``values`` as another model's if they are a copy of the tracked model's
+    def _record_copy(self, name: str, v: list | tuple | dict) -> None:
+        """Record the values of ``v`` as another model's if they are a copy of the tracked model's
         parameters on the device, shape for shape: an EMA's shadow parameters (diffusers'
-        ``EMAModel.shadow_params``), the best weights so far, kept as tensors, not a module."""
+        ``EMAModel.shadow_params``), the best weights so far, kept as tensors, not a module; or
+        a state dict of the model, or one ``v`` holds (a loaded checkpoint)."""
+        if isinstance(v, dict) and self._record_state_dicts(name, v):
+            return
+        values = list(v.values()) if isinstance(v, dict) else v
+        if len(values) != len(self._params):
+            return
         shapes = sorted(tuple(p.shape) for ref, _, _ in self._params if (p := ref()) is not None)
         if not (all(isinstance(t, torch.Tensor) and self._on_device(t) and not t.requires_grad for t in values)
                 and sorted(tuple(t.shape) for t in values) == shapes):
