@@ -623,6 +623,7 @@ def observe_script(
     observer = _Observer(steps, warmup, timeout, on_model, simulated=gpu is not None, on_step=on_step,
                          early=oom)
     saved_argv, saved_path, saved_cwd, saved_env = sys.argv, list(sys.path), os.getcwd(), dict(os.environ)
+    saved_switches = _switches()
     outcome: BaseException | None = None
     grouped = _process_group()
     try:
@@ -656,7 +657,23 @@ def observe_script(
         for key in os.environ.keys() - saved_env.keys():
             del os.environ[key]
         os.environ.update({k: v for k, v in saved_env.items() if os.environ.get(k) != v})
+        _switches(saved_switches)
     return _result(observer, path, list(args), outcome, device if gpu is not None else None)
+
+
+def _switches(saved: tuple | None = None) -> tuple:
+    """PyTorch's process-wide switches a script sets for its run (TF32, cuDNN's autotuner and determinism,
+    SDPA's kernels): read, or set back to ``saved``; they are not the next run's, nor the caller's."""
+    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
+    if saved is not None:
+        tf32, precision, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic, flash, efficient, math = saved
+        cuda.matmul.allow_tf32 = tf32  # (sets the precision too: the precision after it)
+        torch.set_float32_matmul_precision(precision)
+        cuda.enable_flash_sdp(flash)
+        cuda.enable_mem_efficient_sdp(efficient)
+        cuda.enable_math_sdp(math)
+    return (cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(), cudnn.allow_tf32, cudnn.benchmark,
+            cudnn.deterministic, cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled())
 
 
 def _process_group() -> bool:

@@ -1160,3 +1160,24 @@ def test_a_device_mesh_makes_the_process_group_itself(tmp_path, clean, monkeypat
     assert "one rank of 4 " in report.meta["simulation_notes"]["torch.distributed"]
     assert report.peak.bytes["parameters"] == 1024 * 1024 * 4 // 4
     assert report.optimizer_state["exp_avg"] == 1024 * 1024 * 4 // 4
+
+
+def test_the_scripts_switches_do_not_outlive_its_run(tmp_path, clean):
+    """A script that turns TF32 on (nanoGPT, the jagged-tensor tutorial's habit), cuDNN's autotuner or
+    off an attention kernel set them for the process: the runs after it (the advisor's plans in another
+    run, the caller's own code) met them. They are put back as they were."""
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
+              torch.backends.cudnn.benchmark, torch.backends.cuda.flash_sdp_enabled())
+    observe_script(write(tmp_path, """
+        import torch
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.enable_flash_sdp(False)
+        model = torch.nn.Linear(512, 512, bias=False).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(6):
+            model(torch.randn(8, 512, device="cuda")).sum().backward(); opt.step(); opt.zero_grad()
+    """), steps=2, target="h200")
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
+            torch.backends.cudnn.benchmark, torch.backends.cuda.flash_sdp_enabled()) == before == (
+        False, "highest", False, True)
