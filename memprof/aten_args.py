@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.nested._internal.nested_tensor import NestedTensor as _NESTED
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 
-__all__ = ["leaves", "tensors", "map_leaves"]
+__all__ = ["leaves", "tensors", "map_leaves", "decomposes"]
 
 
 def leaves(*objs: Any) -> Iterator[Any]:
@@ -39,3 +41,15 @@ def map_leaves(fn: Callable[[Any], Any], obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(map_leaves(fn, v) for v in obj)
     return fn(obj)
+
+
+def decomposes(types: tuple[type, ...]) -> bool:
+    """Whether a dispatch mode should hand the call to a tensor subclass among ``types``
+    (returning ``NotImplemented``) so that the operators it runs on its inner tensors come
+    back to the mode one by one, as PyTorch's FakeTensorMode does for any subclass it does
+    not know (``_check_for_subclass``): a DTensor's handler allocates local tensors the
+    wrapped call never shows (loss_parallel's cross-entropy backward makes four of the
+    logits' size), and its collectives run on them. A nested jagged tensor is not handed
+    over: the simulation follows it as one (memprof.sdpa's jagged attention, its kernels'
+    workspaces)."""
+    return any(is_traceable_wrapper_subclass_type(t) and t is not _NESTED for t in types)

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from .allocator import Counters, cublas_workspace_bytes
-from .aten_args import tensors
+from .aten_args import decomposes, tensors
 from .caching import CachingAllocatorModel
 from .cudnn import CONVOLUTIONS, cudnn_layout
 from .devices import GPU, get_gpu
@@ -448,6 +448,8 @@ class SimulatedAllocator(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return self._higher_order(func, args, kwargs)
+        if types and decomposes(types):  # a DTensor's own operators come back here one by one
+            return NotImplemented
         if func._overloadpacket in _NO_HALF:
             _no_half(func, args)
         if func._overloadpacket in _SCALED_MM and self.gpu.compute_capability < (8, 9):
@@ -568,8 +570,8 @@ _TO_COPY, _COPY = torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages that hold ``t``'s memory. A wrapper subclass (a DTensor,
     PyTorch's ``__tensor_flatten__`` protocol) holds none of its own: its
-    inner tensors do, made by operators the simulation does not see (the
-    subclass runs them while this mode is paused)."""
+    inner tensors do (a nested jagged tensor's, made by the operator this
+    mode ran for it; a DTensor's come here one by one: aten_args.decomposes)."""
     if t.layout not in (torch.strided, torch.jagged):  # a sparse tensor (an nn.Embedding(sparse=True) gradient): its parts'
         parts = (t._indices(), t._values()) if t.is_sparse else (_compressed_indices(t) + (t.values(),))
         return [p.untyped_storage() for p in parts]

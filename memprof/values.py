@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .aten_args import leaves, map_leaves, tensors
+from .aten_args import decomposes, leaves, map_leaves, tensors
 
 __all__ = ["HOST_FLOPS", "LIMIT", "UnknownValues", "Values"]
 
@@ -153,6 +153,8 @@ class Values(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
+        if types and decomposes(types):  # a DTensor's own operators come back here one by one
+            return NotImplemented
         # The simulated device's torch-function mode is on where autograd's engine runs (backward):
         # here, and in the modes below, every tensor property read would go through it. In
         # forward the mode is off here already (it is handling the call that dispatched).
