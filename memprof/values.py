@@ -434,15 +434,20 @@ def _meta_like(r: Any) -> Any:
 
 
 def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
-    """``aten._ctc_loss`` with target lengths the simulation does not know: its outputs as CUDA's
+    """``aten._ctc_loss`` of log-probabilities the simulation does not follow: its outputs as CUDA's
     kernel makes them (LossCTC.cu: the loss per sample, and log_alpha of batch x input length x
-    (2 x the longest target + 1)), the longest target taken as long as the targets allow (the
-    padded width of 2-D targets, all of 1-D ones): an upper bound."""
+    (2 x the longest target + 1)). The longest target is read from the lengths where they are
+    integers (``F.ctc_loss`` hands them to the kernel so, read back from the device: the values
+    followed); with lengths in a tensor, as long as the targets allow (the padded width of 2-D
+    targets, all of 1-D ones): an upper bound."""
     longest = targets.shape[-1] if targets.dim() == 2 else targets.numel()
+    if isinstance(target_lengths, (list, tuple)) and target_lengths:
+        longest = min(longest, max(target_lengths))
+    else:
+        log.info("CTC loss: target lengths unknown to the simulation; log_alpha sized for targets of %d", longest)
     batch = log_probs.shape[1] if log_probs.dim() == 3 else 1
     nll = log_probs.new_empty((batch,) if log_probs.dim() == 3 else ())
     log_alpha = log_probs.new_empty((batch, log_probs.shape[0], 2 * longest + 1))
-    log.info("CTC loss: target lengths unknown to the simulation; log_alpha sized for targets of %d", longest)
     return nll, log_alpha
 
 

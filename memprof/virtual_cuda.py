@@ -284,6 +284,13 @@ class _Mode(TorchFunctionMode):
             self.vc.values.assume(out, _FINITE_CHECKS[name])
             _note("finite values", "isnan, isinf and isfinite of values not followed: taken as finite")
             return out
+        if name == "ctc_loss" and len(args) > 3 and _on_meta(args[0]) and isinstance(args[3], torch.Tensor):
+            # LossCTC.cpp: lengths in tensors are read back to the host and the kernel takes them as
+            # integers. Below a dispatch mode ATen takes its path for tensor subclasses instead, which
+            # divides the device's losses by the host's lengths (an error on meta).
+            lengths = ((self.vc.values.host_copy(a) if a.is_meta else a).long().tolist()
+                       if isinstance(a, torch.Tensor) else a for a in args[2:4])
+            args = (*args[:2], *lengths, *args[4:])
         if name == "dropout" and not isinstance(func, FunctionType) and args and _on_meta(args[0]):
             return _dropout(*args, **kwargs)
         if name == "rms_norm" and args and _on_meta(args[0]):

@@ -106,6 +106,30 @@ def test_value_shaped_ops_on_unknown_values_take_their_upper_bound():
             torch.bincount(big.long())
 
 
+def test_ctc_sizes_log_alpha_by_the_longest_target_it_is_given():
+    """CUDA's CTC kernel (LossCTC.cu) takes batch x input length x (2 x the longest target + 1) for
+    log_alpha; F.ctc_loss hands it the lengths as integers. With 1-D targets (every sample's
+    concatenated, deepspeech's habit) the simulation took all of them for one target: 961 where
+    the lengths say 61, 15.7 times log_alpha's bytes; lengths in host tensors (PyTorch's own
+    example) stopped the simulation ("Tensor on device cpu is not on the expected device meta").
+    Lengths of aten's tensor overload keep the bound."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    with VirtualCUDA("h200", allocator=SimulatedAllocator(get_gpu("h200"))):
+        log_probs = torch.randn(200, 16, 32, device="cuda").log_softmax(-1)  # 400 KiB: not followed
+        targets = torch.randint(1, 32, (16 * 30,), device="cuda")
+        lengths = [30] * 16
+        _, log_alpha = torch.ops.aten._ctc_loss(log_probs, targets, [200] * 16, lengths)
+        assert log_alpha.shape == (16, 200, 2 * 30 + 1)
+        before = torch.cuda.memory_allocated()
+        loss = torch.nn.functional.ctc_loss(log_probs, targets, torch.full((16,), 200), torch.tensor(lengths))
+        assert torch.cuda.max_memory_allocated() - before >= 16 * 200 * 61 * 4 and loss.shape == ()
+        _, bound = torch.ops.aten._ctc_loss(log_probs, targets.view(16, 30), torch.full((16,), 200, device="cuda"),
+                                            torch.full((16,), 30, device="cuda"))
+        assert bound.shape == (16, 200, 61)  # the padded width of 2-D targets
+
+
 def test_a_known_mask_sizes_its_selection_of_unknown_values():
     """x[mask] and masked_select where the mask's values are known and x's are not (SimCLR's
     similarity matrix of features without its diagonal, a label matrix's positives): the mask
