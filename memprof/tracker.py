@@ -341,10 +341,12 @@ class Tracker:
         self._forwards = 0
         self._profiled = False
         self._t0 = 0.0
-        # The step's evaluations: the model called without gradients (a validation loop every few
-        # steps), (start, end) by _now(); the one running, its start. Left out of the step's time.
+        # The step's evaluations: the model called without gradients in eval mode (a validation loop
+        # every few steps), (start, end) by _now(); the one running, its start. Left out of the step's
+        # time. In train mode a call without gradients is the step's own work (GradCache's first pass
+        # over its chunks, a DQN or PPO agent acting between updates: dropout on, as in training).
         self._evaluations: list[tuple[Any, Any]] = []
-        #: Whether the step that ended last had an evaluation in it (the model called without gradients).
+        #: Whether the step that ended last had an evaluation in it (see _evaluations).
         self.evaluated = False
         self._evaluating: Any = None
         self._no_grad_call: weakref.ref | None = None  # the module called without gradients, running (_on_pre)
@@ -896,6 +898,14 @@ class Tracker:
                 g = p.grad if p is not None else None
                 if g is not None and on_device(g):
                     led.add(_storage(g), Category.GRADIENTS, owner, name, replace=True)
+            # Another model's gradients are its own, as its parameters are: backward through the
+            # tracked model (an actor's loss through a critic, a generator's through the
+            # discriminator) bound them at nodes of the tracked model's, as activation gradients.
+            for module, other in list(self._others.items()):
+                for p in module.parameters():
+                    g = p.grad
+                    if g is not None and p not in self._param_names and on_device(g):
+                        led.add(_storage(g), Category.OTHER_MODELS, "", other, replace=True)
 
     def _own_optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers of the tracked model (``_optimizers`` also remembers the others seen, as not ours)."""
@@ -1030,8 +1040,8 @@ class Tracker:
         if not self._active or transformed() or module not in self._names:  # see _on_pre; a copy
             return  # of the root (copy.deepcopy: an EMA), which shares its hook
         self._forwards += 1
-        if not torch.is_grad_enabled() and self._evaluating is None and not self._recompute:
-            self._evaluating = self._now()  # an evaluation (see _on_root_post)
+        if not torch.is_grad_enabled() and not module.training and self._evaluating is None and not self._recompute:
+            self._evaluating = self._now()  # an evaluation (see _evaluations, _on_root_post)
         if self._profiled and not self._recompute:
             for opt in self._state_only:  # (see _refresh_state)
                 self._record_optimizer_state(opt, changed=True)

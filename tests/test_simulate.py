@@ -233,9 +233,9 @@ def test_evaluation_between_steps_is_not_the_steps_time():
     """A validation loop every few steps (the model called under no_grad) fell into the next
     step's time: an advisor that judges each plan by one step ranked them by where the
     validations fell. A step's seconds leave the model's calls without gradients out."""
-    from memprof.simulate import simulate
+    from memprof.simulate import TimeModel, simulate
 
-    def run(evaluate: bool):
+    def run(evaluate):
         def setup():
             model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)).cuda()
             opt = torch.optim.AdamW(model.parameters())
@@ -243,7 +243,7 @@ def test_evaluation_between_steps_is_not_the_steps_time():
 
             def step():
                 if evaluate:
-                    model.eval()
+                    model.train(evaluate == "train")
                     with torch.no_grad():
                         for _ in range(3):
                             model(x)
@@ -258,6 +258,11 @@ def test_evaluation_between_steps_is_not_the_steps_time():
 
     plain, evaluated = run(False), run(True)
     assert evaluated == pytest.approx(plain, rel=1e-9) and plain[-1] > 0
+    # In train mode the calls without gradients are the step's own (GradCache encodes its chunks so
+    # first; an agent acts between updates): three forwards added to one forward, backward and step.
+    acting = run("train")
+    issued = 3 * 3 * TimeModel().host_forward  # three forwards of addmm, relu, addmm: at least their host time
+    assert all(a > p + issued for a, p in zip(acting, plain)), (acting, plain)
 
 
 def test_a_factorization_in_16_bits_fails_as_on_cuda():

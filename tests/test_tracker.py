@@ -396,6 +396,30 @@ def test_other_models_the_script_keeps_are_named_by_its_variables():
     assert_adds_up(r)
 
 
+def test_another_models_gradients_are_its_own():
+    """An actor trained through the tracked critic (SAC's policy loss; a GAN's generator through its
+    discriminator): backward binds the actor's gradients at the critic's nodes, and they stayed
+    activation gradients of the critic from there through its optimizer step. They are the actor's,
+    as its weights are."""
+    critic, actor = mlp(), nn.Linear(512, 512, bias=False)  # 2 MiB, and 1 MiB of another model
+    critic_opt, actor_opt = torch.optim.SGD(critic.parameters(), lr=0.1), torch.optim.SGD(actor.parameters(), lr=0.1)
+    x = torch.randn(512, 512)
+    with memprof.track(critic, critic_opt, every=1, warmup=1) as prof:
+        for _ in range(4):
+            actor_opt.zero_grad()
+            critic(actor(x)).mean().backward()  # the actor's loss, through the critic
+            actor_opt.step()
+            critic_opt.zero_grad()
+            critic(x).square().mean().backward()
+            critic_opt.step()
+    r = prof.report()
+    assert r.other_models == {"actor": 2 * MiB}  # its weight and its gradient
+    stepping = r.timeline[r.timeline["phase"] == "optimizer step"]
+    assert len(stepping) >= 2 and (stepping["activation_gradients"] == 0).all()
+    assert (stepping["other_models"] == 2 * MiB).all() and (stepping["gradients"] == 2 * MiB).all()
+    assert_adds_up(r)
+
+
 def test_a_proxy_of_a_module_in_the_loop():
     """Lightning holds weakref.proxy objects of its trainer: they pass isinstance checks for
     what they stand for but cannot be weakly referenced ("cannot create weak reference to
