@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CONVOLUTIONS", "channels_last_like", "cudnn_layout", "cudnn_workspace"]
+__all__ = ["CONVOLUTIONS", "channels_last_like", "cudnn_layout", "cudnn_workspace", "tf32_allowed"]
 
 _ops = torch.ops.aten
 CONVOLUTIONS = {_ops.convolution.default, _ops.convolution_backward.default}
@@ -108,7 +108,7 @@ def cudnn_workspace(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, stride, p
     """The workspace of one cuDNN call of a convolution with input ``x``, weight ``w`` and output
     ``y`` (or their gradients), by the rule measured on the H200 (module docstring)."""
     tensor_cores = x.dtype in (torch.float16, torch.bfloat16) or (
-        x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32)
+        x.dtype == torch.float32 and tf32_allowed(conv=True))
     depthwise = groups > 1 and groups == x.shape[1] and w.shape[1] == 1
     pointwise = all(k == 1 for k in w.shape[2:]) and all(s == 1 for s in stride) and not any(padding)
     if channels_last or depthwise or pointwise or not tensor_cores or not torch.backends.cudnn.enabled:
@@ -127,3 +127,16 @@ def _relaid(t: torch.Tensor | None, channels_last: bool) -> torch.Tensor | None:
     if t is None or t.dim() != 4 or channels_last_like(t) == channels_last:
         return t
     return torch.empty_like(t, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def tf32_allowed(conv: bool) -> bool:
+    """Whether PyTorch runs float32 convolutions (cuDNN) or matrix products (cuBLAS) on TF32 tensor
+    cores now. Read through ``fp32_precision`` where torch has it ("none" defers to the level above:
+    cudnn.conv to cudnn to torch.backends): once a script used that API (PyTorch's documented one),
+    the older ``allow_tf32`` raises ("mix of the legacy and new APIs"), which stopped the simulation."""
+    backends = torch.backends
+    if not hasattr(backends, "fp32_precision"):  # before the fp32_precision API
+        return backends.cudnn.allow_tf32 if conv else backends.cuda.matmul.allow_tf32
+    levels = (backends.cudnn.conv, backends.cudnn, backends) if conv else (backends.cuda.matmul, backends)
+    precision = next((level.fp32_precision for level in levels if level.fp32_precision != "none"), "ieee")
+    return precision == "tf32"

@@ -663,17 +663,29 @@ def observe_script(
 
 def _switches(saved: tuple | None = None) -> tuple:
     """PyTorch's process-wide switches a script sets for its run (TF32, cuDNN's autotuner and determinism,
-    SDPA's kernels): read, or set back to ``saved``; they are not the next run's, nor the caller's."""
-    cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
+    SDPA's kernels): read, or set back to ``saved``; they are not the next run's, nor the caller's. TF32
+    through ``fp32_precision`` too where torch has it: once that API set it, ``allow_tf32`` and
+    ``get_float32_matmul_precision`` raise ("mix of the legacy and new APIs") until the older one sets
+    it again, so each is put back as it was, readable or not."""
+    backends = torch.backends
+    cuda, cudnn = backends.cuda, backends.cudnn
+    levels = (backends, cuda.matmul, cudnn, cudnn.conv, cudnn.rnn) if hasattr(backends, "fp32_precision") else ()
     if saved is not None:
-        tf32, precision, cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic, flash, efficient, math = saved
-        cuda.matmul.allow_tf32 = tf32  # (sets the precision too: the precision after it)
-        torch.set_float32_matmul_precision(precision)
+        precisions, legacy, cudnn.benchmark, cudnn.deterministic, flash, efficient, math = saved
+        for level, value in zip(levels, precisions):
+            level.fp32_precision = value
+        if legacy is not None:
+            cuda.matmul.allow_tf32, precision, cudnn.allow_tf32 = legacy
+            torch.set_float32_matmul_precision(precision)
         cuda.enable_flash_sdp(flash)
         cuda.enable_mem_efficient_sdp(efficient)
         cuda.enable_math_sdp(math)
-    return (cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(), cudnn.allow_tf32, cudnn.benchmark,
-            cudnn.deterministic, cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled())
+    try:
+        legacy = (cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(), cudnn.allow_tf32)
+    except RuntimeError:  # set through fp32_precision
+        legacy = None
+    return (tuple(level.fp32_precision for level in levels), legacy, cudnn.benchmark, cudnn.deterministic,
+            cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled())
 
 
 def _process_group() -> bool:

@@ -33,7 +33,7 @@ from torch.utils.flop_counter import flop_registry
 from .allocator import Counters, cublas_workspace_bytes
 from .aten_args import decomposes, tensors
 from .caching import CachingAllocatorModel
-from .cudnn import CONVOLUTIONS, cudnn_layout
+from .cudnn import CONVOLUTIONS, cudnn_layout, tf32_allowed
 from .devices import GPU, get_gpu
 from .meta_kernels import PLAIN_TENSORS, KernelCache
 from .reductions import REDUCTIONS, staging_bytes
@@ -158,7 +158,7 @@ class TimeModel:
         elif tf32 and gpu.compute_capability >= (8, 0):
             # TF32 where PyTorch allows it: cuDNN's convolutions by default
             # (torch.backends.cudnn.allow_tf32), cuBLAS's matrix products when a
-            # script asks (torch.backends.cuda.matmul.allow_tf32, or
+            # script asks (torch.backends.cuda.matmul.allow_tf32 or its fp32_precision,
             # set_float32_matmul_precision("high")); the TF32 tensor-core rate is
             # half the 16-bit one where the GPU gives none.
             rate, flop_efficiency = gpu.tf32_tflops or half / 2, self.tf32_flop_efficiency
@@ -500,7 +500,7 @@ class SimulatedAllocator(TorchDispatchMode):
             if self.trace is not None:
                 self.trace.append((0, 0, -1, conv, backward, recompute, 1, 0))
             return out
-        tf32 = torch.backends.cudnn.allow_tf32 if conv else matmul and torch.backends.cuda.matmul.allow_tf32
+        tf32 = tf32_allowed(conv=True) if conv else matmul and tf32_allowed(conv=False)
         self._launch(flops, nbytes, dtype, tf32, conv, kind, [h for h in made if h is not None], host)
         return out
 

@@ -716,6 +716,8 @@ class VirtualCUDA:
                 stack.callback(library._destroy)
             stack.enter_context(_replace(torch, "save", self._save))
             stack.enter_context(_replace(torch, "load", self._load(torch.load)))
+            for module, attr, fn in self._safetensors():
+                stack.enter_context(_replace(module, attr, fn))
             for module, attr, fn in self._file_operations():
                 stack.enter_context(_replace(module, attr, fn))
             if torch.distributed.is_available():
@@ -911,6 +913,30 @@ class VirtualCUDA:
         return torch_load
 
 
+    def _safetensors(self) -> list[tuple[Any, str, Callable]]:
+        """safetensors' ``save_file`` and ``load_file`` as ``torch.save`` and ``torch.load`` are, where
+        it is installed (Accelerate's ``save_state``, ``save_pretrained``, a script's own): left alone, it
+        wrote the placeholder values of the simulated tensors over the user's file (ones), or read past
+        a large one's host copy (one element, expanded: "Bad address"). Replaced where defined and in
+        every module that imported them (``from safetensors.torch import save_file as safe_save_file``);
+        ``save_model`` and ``load_model`` call them."""
+        if importlib.util.find_spec("safetensors") is None:
+            return []
+        import safetensors.torch as st
+
+        st_load_file = st.load_file
+        # What this run saved, else the file read to the host; placed where ``device`` says (as torch.load).
+        load = self._load(lambda f, map_location: st_load_file(f))
+
+        def save_file(tensors: dict, filename: Any, *args: Any, **kwargs: Any) -> None:  # metadata: not kept
+            self._save(tensors, filename)
+
+        def load_file(filename: Any, device: Any = "cpu", **kwargs: Any) -> dict:  # (0.8's backend: torch's)
+            return load(filename, map_location=f"cuda:{device}" if isinstance(device, int) else device)
+
+        replacements = ((st.save_file, save_file), (st_load_file, load_file))
+        return [(module, attr, new) for old, new in replacements for module, attr in _imported(old, everywhere=True)]
+
     def _file_operations(self) -> list[tuple[Any, str, Callable]]:
         """Copies, moves, links and removals of a file this run's ``torch.save`` did not write (pytorch/examples'
         ``shutil.copyfile(filename, "model_best.pth.tar")``, an atomic save's ``os.replace``): done on what was
@@ -1004,11 +1030,12 @@ def _foreach_support_for_meta(original: Callable) -> Callable:
     return _device_has_foreach_support
 
 
-def _imported(function: Callable) -> list[tuple[Any, str]]:
-    """Every (module, name) of PyTorch that holds ``function``: where it is defined and where it was imported."""
+def _imported(function: Callable, everywhere: bool = False) -> list[tuple[Any, str]]:
+    """Every (module, name) of PyTorch (``everywhere``: of any package) that holds ``function``: where it
+    is defined and where it was imported."""
     found = []
     for name, module in list(sys.modules.items()):
-        if name == "torch" or name.startswith("torch."):
+        if everywhere or name == "torch" or name.startswith("torch."):
             for attr, value in list(getattr(module, "__dict__", {}).items()):
                 if value is function:
                     found.append((module, attr))

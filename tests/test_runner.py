@@ -1069,6 +1069,40 @@ def test_files_a_simulated_save_did_not_write_are_copied_and_moved_in_the_simula
     assert not (tmp_path / "archive" / "last.pt").exists()
 
 
+def test_safetensors_writes_nothing_and_loads_what_was_saved(tmp_path, clean):
+    """Accelerate's ``save_state`` and ``save_pretrained`` save through safetensors, imported under another
+    name (``from safetensors.torch import save_file as safe_save_file``): it wrote the simulated tensors'
+    placeholder values (ones) over the user's file, or read past a large one's host copy ("Bad address").
+    It writes nothing, as torch.save; what was saved loads back onto the simulated GPU or the host; a
+    file of the disk loads as it is."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.full((2, 2), 7.0)}, str(tmp_path / "model.safetensors"))
+    save_file({"w": torch.full((3,), 5.0)}, str(tmp_path / "other.safetensors"))
+    before = (tmp_path / "model.safetensors").read_bytes()
+    observe_script(write(tmp_path, f"""
+        import os, torch
+        from torch import nn
+        from safetensors.torch import load_file, load_model, save_file as safe_save_file, save_model
+        os.chdir({str(tmp_path)!r})
+        model = nn.Linear(1024, 4096).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(10):
+            model(torch.randn(32, 1024, device="cuda")).square().mean().backward()
+            opt.step(); opt.zero_grad()
+            if step == 1:
+                safe_save_file(model.state_dict(), "model.safetensors")
+                save_model(model, "model.safetensors")
+                back = load_file("model.safetensors", device="cuda")
+                assert back["weight"].shape == (4096, 1024) and back["weight"].is_cuda
+                assert load_file("model.safetensors")["bias"].device.type == "cpu"
+                load_model(model, "model.safetensors")
+                assert load_file("other.safetensors")["w"].tolist() == [5.0, 5.0, 5.0]
+    """), steps=3, target="h200")
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+
+
 def test_nested_jagged_tensors_train_on_the_simulated_gpu(tmp_path, clean):
     """PyTorch's nested-tensor tutorial's habit: a batch of sequences of lengths 100 and 28 as one jagged
     tensor, attention on it (PyTorch's jagged path, flash on the H200 in bf16), to_padded_tensor for the
@@ -1220,3 +1254,26 @@ def test_the_scripts_switches_do_not_outlive_its_run(tmp_path, clean):
     assert (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision(),
             torch.backends.cudnn.benchmark, torch.backends.cuda.flash_sdp_enabled()) == before == (
         False, "highest", False, True)
+
+
+@pytest.mark.skipif(not hasattr(torch.backends, "fp32_precision"), reason="torch without the fp32_precision API")
+def test_tf32_set_through_fp32_precision(tmp_path, clean):
+    """PyTorch's documented TF32 switch (``torch.backends.cuda.matmul.fp32_precision = "tf32"``): the
+    simulation read ``allow_tf32`` at every matrix product, which raises once that API was used ("mix
+    of the legacy and new APIs") and stopped the script. It runs, its products at the TF32 rate (faster
+    than without), and the caller reads TF32 through either API afterwards."""
+    def seconds(switch: str) -> float:
+        report = observe_script(write(tmp_path, f"""
+            import torch
+            {switch}
+            model = torch.nn.Linear(4096, 4096, bias=False).cuda()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for i in range(6):
+                model(torch.randn(4096, 4096, device="cuda")).sum().backward(); opt.step(); opt.zero_grad()
+        """), steps=2, target="h200")
+        return float(report.steps["seconds"].iloc[-1])
+
+    ieee, tf32 = seconds("pass"), seconds('torch.backends.cuda.matmul.fp32_precision = "tf32"')
+    assert tf32 < ieee / 2  # H200: 494 dense TF32 TFLOPS against 67 of fp32
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()) == (False, "highest")
+    assert torch.backends.cuda.matmul.fp32_precision in ("none", "ieee")
