@@ -157,6 +157,13 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
                            ()),
     "glow-flow": (".", "glow_flow.py", ["--img-size", "64", "--n-flow", "32", "--n-block", "4", "--filter-size", "512",
                                         "--max-steps", "10"], ()),
+    "ckpt-wrapper-fp16": (".", "ckpt_wrapper_fp16.py", ["--steps", "10"], ()),
+    "gradcache-contrastive": (".", "gradcache_contrastive.py", ["--steps", "10"], ()),
+    "sac-continuous": (".", "sac_continuous.py", ["--steps", "20"], ()),
+    "conformer-asr": (".", "conformer_asr.py", ["--steps", "10"], ()),
+    "swin-ema-onecycle": (".", "swin_ema_onecycle.py", ["--steps", "10"], ()),
+    "hf-accelerate-manual-accum": (".", "hf_accelerate_manual_accum.py", ["--steps", "10", "--eval-steps", "1000"],
+                                   ("accelerate",)),
 }
 
 

@@ -99,6 +99,15 @@ SMALL = {
     "hybrid_cpu_embedding.py": ["--top-mlp", "1024-1024-512-256", "--batch-size", "2048", "--num-samples", "16384"],
     "efficientnet_swish.py": ["--batch-size", "16", "--image-size", "64"],
     "glow_flow.py": ["--img-size", "32", "--n-flow", "8", "--n-block", "3", "--filter-size", "128"],
+    "ckpt_wrapper_fp16.py": ["--batch-size", "2", "--seq-len", "64", "--vocab-size", "1000", "--dim", "64",
+                             "--n-layers", "2", "--n-heads", "4"],
+    "gradcache_contrastive.py": ["--batch-size", "8", "--chunk-size", "4", "--q-len", "16", "--p-len", "16",
+                                 "--num-workers", "0"],
+    "sac_continuous.py": ["--buffer-size", "1000", "--batch-size", "32", "--learning-starts", "50", "--hidden", "64"],
+    "conformer_asr.py": ["--batch-size", "2", "--num-workers", "0", "--max-seconds", "3.0", "--d-model", "64",
+                         "--num-heads", "4", "--ffn-dim", "128", "--num-layers", "2"],
+    "swin_ema_onecycle.py": ["--batch-size", "2", "--num-classes", "10", "--workers", "0"],  # 224: its windows tile it
+    "hf_accelerate_manual_accum.py": ["--per-device-train-batch-size", "2", "--block-size", "64"],
 }
 
 
