@@ -71,9 +71,16 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                          and any(True for _ in c.children()) and any(True for _ in c.parameters())]
     stacked = [t for t in tiers[0] if not any(t[0].startswith(e) for e in experts)]
     if stacked:
-        # The innermost stacks: a Swin stage's blocks, not the stages holding them.
+        # The innermost stacks: a Swin stage's blocks, not the stages holding them. The same blocks
+        # among mixed children are theirs too: a stage written as Sequential(*blocks, downsample)
+        # (only the last stage, without the downsampling, was a stack of them alone).
         names = [n for n, _, _ in stacked]
-        return [(n, m) for n, m, _ in stacked if not any(o.startswith(n + ".") for o in names)]
+        blocks = [t for t in stacked if not any(o.startswith(t[0] + ".") for o in names)]
+        shapes, found = {shape for _, _, shape in blocks}, [n for n, _, _ in blocks]
+        blocks += [t for t in tiers[1] if t[2] in shapes and not any(
+            t[0] == o or t[0].startswith(o + ".") or o.startswith(t[0] + ".") for o in found)]
+        order = {name: i for i, name in enumerate(modules)}
+        return [(n, m) for n, m, _ in sorted(blocks, key=lambda t: order[t[0]])]
     candidates = tiers[1] or tiers[0] or tiers[2]
     if not candidates:
         return []
