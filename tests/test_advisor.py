@@ -703,3 +703,22 @@ def test_a_batch_the_micro_batches_do_not_divide_fails_that_plan_alone(caplog):
         a = advise(make, "24GiB", target="h200", plans=plans, progress=False)
     assert set(a.table.index) == {"baseline", "accum2"} and len(builds) == 1
     assert any("accum4" in r.getMessage() and "cannot be split into 4" in r.getMessage() for r in caplog.records)
+
+
+def test_why_names_the_temporaries_where_they_are_the_most():
+    """A 32768-way cross-entropy outside the model: its logits and log-probabilities, which no module
+    saves, are most of the peak. The reason named the largest category but them (the optimizer's state)."""
+    from memprof.workload import Workload
+
+    def make():
+        model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 32768)).cuda()
+        x, y = torch.randn(2048, 256, device="cuda"), torch.randint(0, 32768, (2048,), device="cuda")
+        return Workload(model, torch.optim.AdamW(model.parameters()), (x, y),
+                        lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+
+    advice = advise(make, "24GiB", target="h100", progress=False, plans={"bf16": lambda: [Autocast("bf16")]})
+    peak = advice.baseline.peak
+    assert peak.bytes["temporaries"] >= 3 * 2048 * 32768 * 4  # logits, log-probabilities, their gradient
+    share = 100 * peak.bytes["temporaries"] / peak.allocated
+    assert advice.table.loc["bf16", "why"].startswith(
+        f"temporaries (what no module saves: the loss's tensors, the model's output) are {share:.0f} % of the baseline peak")
