@@ -281,7 +281,10 @@ class _MicroBatchCut(TorchFunctionMode):
         self.batch = batch
         self.sizes = {n for n in (batch, batch * script_micro_batches if batch else None) if n and n % k == 0}
         self._parts = {n // k for n in self.sizes}
-        self._joined = self.sizes | {batch // m for m in (2, 3, 4) if batch and batch % m == 0 and batch // m % k == 0}
+        self._joined = self.sizes | {n // m for n in self.sizes for m in (2, 3, 4) if n % m == 0 and n // m % k == 0}
+        # What was cut where it reached the device: the script's own chunks of it (GradCache encodes its
+        # queries 16 at a time) are views of a micro-batch already, not whole batches of the chunk's size.
+        self._cut_storages: weakref.WeakSet = weakref.WeakSet()
         self._in_model = 0
         #: Tensors (and length lists) cut so far: none in a step means its batch was not found.
         self.cuts = 0
@@ -315,12 +318,17 @@ class _MicroBatchCut(TorchFunctionMode):
             return out
         if func in _TO_DEVICE and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
             if self._cut(out, sizes=self._joined) is not out:  # copied whole to the device: copy the part instead
-                return func(args[0][: args[0].shape[0] // self.k], *args[1:], **kwargs)
+                return self._made(func(args[0][: args[0].shape[0] // self.k], *args[1:], **kwargs))
         elif func in _FACTORIES:
             part = self._cut(out)
             if part is not out:
-                return part.clone()  # its own storage, of the part's size
+                return self._made(part.clone())  # its own storage, of the part's size
         return out
+
+    def _made(self, part: Any) -> Any:
+        if isinstance(part, torch.Tensor):
+            self._cut_storages.add(part.untyped_storage())
+        return part
 
     def _match(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``args`` and ``kwargs`` with whole batches cut where they meet a micro-batch (not
@@ -348,7 +356,8 @@ class _MicroBatchCut(TorchFunctionMode):
         def wrapped(*args, **kwargs):
             if self._evaluating():  # evaluation between steps: as the script runs it
                 return fn(*args, **kwargs)
-            args, kwargs = tree_map(lambda t: cut(t, device_only=False), (args, kwargs))
+            args, kwargs = tree_map(lambda t: t if isinstance(t, torch.Tensor) and t.untyped_storage() in self._cut_storages
+                                    else cut(t, device_only=False), (args, kwargs))
             self._in_model += 1
             try:
                 return fn(*args, **kwargs)
