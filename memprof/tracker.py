@@ -429,6 +429,7 @@ class Tracker:
                     self._wrap_zero_grad(opt)
             if self._given is None:
                 self._watch_manual(model)
+            self._wrap_backward()
             self._wrap_checkpoint_inputs()
             self._wrap_sac_cache()
             self._wrap_resize()
@@ -1121,8 +1122,16 @@ class Tracker:
                         self._ledger.add(_storage(t), Category.INPUTS, name)
                 self._saved_seen.clear()
             # Also while recomputing: what the recomputation keeps for the
-            # backward in progress are activations again.
-            self._push_saved_hooks()
+            # backward in progress are activations again. A forward before this one that no
+            # backward followed (an evaluation with gradients on; a checkpoint_sequential
+            # segment's first layer, called as the model's) left them on: taken off where they
+            # are the innermost, else left on under the hooks pushed since (a checkpoint's,
+            # chained through them: _push_saved_hooks), which only a pop of those may reach.
+            if self._recompute or self._saved_hooks is None:
+                self._push_saved_hooks()
+            elif self._hooks_innermost():
+                self._pop_saved_hooks()
+                self._push_saved_hooks()
         span = _Span(name, alloc)
         self._fwd.append(span)
         if not self._recompute and self._watches_backward(name, outer):
@@ -1182,6 +1191,13 @@ class Tracker:
         outer = len(self._fwd) == 1
         if outer:
             self._pop_saved_hooks()
+            if not self._recompute and _top_saved_tensors_hooks() is None:
+                # On again until backward is called (_wrap_backward): what the loss saves for backward
+                # (cross-entropy's log-probabilities, a square's input: the model's output) is an
+                # activation, of the root, not a temporary. Only where no other hooks are on: hooks
+                # come off innermost first, and a context around this forward (a checkpoint segment
+                # of checkpoint_sequential, whose layers are called as the model is) ends first.
+                self._push_saved_hooks()
         event = ("post", name)
         if not outer:
             alloc = self._sample(Phase.RECOMPUTE if self._recompute else Phase.FORWARD, self._fwd[-2].name, event)
@@ -1267,6 +1283,30 @@ class Tracker:
             self._on_saved(packed)  # (the tensor itself: a parameter FSDP gathered is one)
         return packed.detach() if packed is t else packed
 
+    def _wrap_backward(self) -> None:
+        """Take the saved-tensors hooks off where backward is called: they stay on from the model's
+        forward through the loss (see _on_post), and autograd's engine runs with a copy of this thread's
+        hooks, so popping them from inside backward would leave them on here after it. Every backward
+        (``Tensor.backward``, ``torch.autograd.backward`` and ``grad``) calls the engine through
+        ``_engine_run_backward``, where it is defined and where torch.autograd imported it."""
+        import torch.autograd as autograd
+        import torch.autograd.graph as graph
+
+        own = vars(graph)["_engine_run_backward"]
+        tracker = weakref.ref(self)
+
+        @functools.wraps(own)
+        def run_backward(*args: Any, **kwargs: Any) -> Any:
+            t = tracker()
+            if t is not None and not t._fwd and not t._recompute and t._hooks_innermost():
+                t._pop_saved_hooks()
+            return own(*args, **kwargs)
+
+        for module in (graph, autograd):
+            if vars(module).get("_engine_run_backward") is own:
+                module._engine_run_backward = run_backward
+                self._patched.append((module, "_engine_run_backward", own))
+
     def _wrap_checkpoint_inputs(self) -> None:
         """Keep a non-reentrant checkpoint's inputs out of the tracker's saved-tensors hooks.
 
@@ -1341,6 +1381,12 @@ class Tracker:
 
         cls.__torch_dispatch__ = dispatch
         self._patched.append((cls, "__torch_dispatch__", own))
+
+    def _hooks_innermost(self) -> bool:
+        """Whether this tracker's saved-tensors hooks are on and the innermost (a pop takes the
+        innermost hooks, whoever pushed them)."""
+        top = _top_saved_tensors_hooks()
+        return self._saved_hooks is not None and top is not None and top[0] is self._saved_hooks.pack_hook
 
     def _pop_saved_hooks(self) -> None:
         if self._pushes is not None:

@@ -36,8 +36,8 @@ and any model size fits. The script sees the target GPU wherever it looks:
   ``.to("cuda")`` of one raises as PyTorch does (``VirtualCUDA(script_meta=True)``,
   which the script door uses; :class:`MetaTensors`);
 * ``torch.compile`` runs the model eagerly (logged once; the report says so),
-  and ``torch.save`` writes nothing, so a simulation never replaces a real
-  checkpoint with one of meta tensors.
+  and ``torch.save`` (and safetensors' ``save_file``) writes nothing, so a
+  simulation never replaces a real checkpoint with one of meta tensors.
 
 The replaced functions are restored on exit, exceptions included. Memory is
 counted by a ``SimulatedAllocator`` (``memprof.simulate``) that the block
@@ -562,10 +562,18 @@ def _unchecked(func: FunctionType) -> FunctionType:
         scope = dict(func.__globals__)
         for name in _CHECKS:
             scope[name] = _no_torch_function
+        if "_engine_run_backward" in scope:  # torch.autograd's backward and grad: the engine as it is at the call
+            scope["_engine_run_backward"] = _engine_run_backward
         fn = FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
         fn.__kwdefaults__ = func.__kwdefaults__
         _unchecked_cache[func] = fn
     return fn
+
+
+def _engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+    """torch.autograd's ``_engine_run_backward`` as it is now (a tracker wraps it while it runs), for the
+    copies :func:`_unchecked` makes of ``backward`` and ``grad`` with the globals of their first call."""
+    return torch.autograd._engine_run_backward(*args, **kwargs)
 
 
 def _run_backward(mode: "_Mode", tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
@@ -911,7 +919,6 @@ class VirtualCUDA:
             return tree_map(place, obj, is_leaf=lambda x: isinstance(x, _SavedShape))
 
         return torch_load
-
 
     def _safetensors(self) -> list[tuple[Any, str, Callable]]:
         """safetensors' ``save_file`` and ``load_file`` as ``torch.save`` and ``torch.load`` are, where

@@ -706,8 +706,8 @@ def test_a_batch_the_micro_batches_do_not_divide_fails_that_plan_alone(caplog):
 
 
 def test_why_names_the_temporaries_where_they_are_the_most():
-    """A 32768-way cross-entropy outside the model: its logits and log-probabilities, which no module
-    saves, are most of the peak. The reason named the largest category but them (the optimizer's state)."""
+    """A 32768-way cross-entropy outside the model: its logits and their gradient, which nothing saves,
+    are most of the peak. The reason named the largest category but them (the optimizer's state)."""
     from memprof.workload import Workload
 
     def make():
@@ -718,7 +718,8 @@ def test_why_names_the_temporaries_where_they_are_the_most():
 
     advice = advise(make, "24GiB", target="h100", progress=False, plans={"bf16": lambda: [Autocast("bf16")]})
     peak = advice.baseline.peak
-    assert peak.bytes["temporaries"] >= 3 * 2048 * 32768 * 4  # logits, log-probabilities, their gradient
+    logits = 2048 * 32768 * 4
+    assert peak.bytes["temporaries"] >= 2 * logits and peak.bytes["activations"] >= logits  # (the log-probabilities)
     share = 100 * peak.bytes["temporaries"] / peak.allocated
     assert advice.table.loc["bf16", "why"].startswith(
         f"temporaries (what no module saves: the loss's tensors, the model's output) are {share:.0f} % of the baseline peak")

@@ -113,7 +113,7 @@ def test_module_tree_is_at_the_peak(report):
     console.print(memprof.render.module_tree(report, over_step=True))
     text = console.export_text()
     assert "saved for backward over the step" in text
-    assert "activ saved over step 2.00 MiB" in text  # x and the ReLU's output
+    assert "activ saved over step 3.00 MiB" in text  # x, the ReLU's output, and its output the loss saves
     page = report.to_html()
     assert "<h2>Modules at the peak</h2>" in page and '<section id="modules">' in page  # its content: test_html.py
 

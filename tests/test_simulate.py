@@ -590,12 +590,12 @@ def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
         torch.mm(x, torch.empty(768, 50257, device="cuda", dtype=bf16))  # GPT-2's vocabulary: 50257 % 8 != 0
         w = torch.empty(768, 50257, device="cuda")
         torch.mm(x.float(), w)  # fp32: no tensor cores
-        before = torch.backends.cuda.matmul.allow_tf32
+        before = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("high")  # as nanoGPT and Lightning's examples do: TF32 tensor cores
         try:
             torch.mm(x.float(), w)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = before
+        finally:  # (through the same API: setting allow_tf32 back left torch's two APIs disagreeing)
+            torch.set_float32_matmul_precision(before)
         x * 2
         x.sum(0)
         torch._foreach_add_([x, x], 1.0)

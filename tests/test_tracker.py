@@ -68,8 +68,9 @@ def test_linear_saves_its_input():
     over = r.modules["activations_saved_over_step"]
     # Over the step, each Linear's own ops save its input (x, then ReLU's
     # output): 1 MiB each; the ReLU saves its output. The root counts each
-    # storage once: x and the ReLU's output.
-    assert over.to_dict() == {"Sequential": 2 * MiB, "Sequential.0": MiB, "Sequential.1": MiB, "Sequential.2": MiB}
+    # storage once: x and the ReLU's output, and its own output, which the
+    # loss after it saves (square saves its input).
+    assert over.to_dict() == {"Sequential": 3 * MiB, "Sequential.0": MiB, "Sequential.1": MiB, "Sequential.2": MiB}
     # Live at the peak, the ReLU's output belongs to the ReLU, which saved it
     # first; x is an input (the root's).
     at_peak = r.modules[[A, "inputs"]]
@@ -792,7 +793,8 @@ def test_steps_without_an_optimizer(reset):
     for step, s in r.timeline.groupby("step"):
         # both micro-batches in the step, which starts with the gradients reset at the end of the
         # one before (the reset comes before the forward the step begins at)
-        assert (s["phase"] == "loss").sum() == 2
+        # (two samples in each one's loss: the model's end, and the loss saving its output, 1 MiB)
+        assert (s["phase"] == "loss").sum() == 4
         assert s[s["phase"] == "forward Sequential"]["gradients"].iloc[0] == (0 if step == 0 else kept)
         assert s[s["phase"] == "after backward"]["gradients"].iloc[0] == 2 * MiB
     assert _global_hooks() == (0, 0, 0, 0, None) and _model_hooks(model) == 0
@@ -978,10 +980,11 @@ def test_module_rows_at_peak_with_accumulation(micro_batches):
         assert m.loc[parts, AT_PEAK].sum().tolist() == m.loc[block, AT_PEAK].tolist()
     # A micro-batch of 256 rows: a block's hidden ReLU output is 256x1024 fp32
     # = 1 MiB, a block's output 256x256 = 256 KiB. Over the step every
-    # micro-batch adds its own: per forward x, three ReLU outputs and the
-    # inputs of blocks 1, 2 and the head.
+    # micro-batch adds its own: per forward x, three ReLU outputs, the
+    # inputs of blocks 1, 2 and the head, and the head's output, 64 KiB,
+    # which the loss saves.
     over = m["activations_saved_over_step"]
-    assert over["Stack"] == micro_batches * (3 * MiB + 4 * 256 * KiB)
+    assert over["Stack"] == micro_batches * (3 * MiB + 4 * 256 * KiB + 64 * KiB)
     assert over["Stack.blocks.0.act"] == micro_batches * MiB
     assert m.loc["Stack", "inputs"] == 256 * KiB
     if micro_batches == 1:
@@ -1029,7 +1032,7 @@ def test_two_modules_saving_one_storage():
     assert m.loc["Sequential.1", A] == MiB and m.loc["Sequential.2", A] == 0
     over = m["activations_saved_over_step"]
     assert over["Sequential.1"] == over["Sequential.2"] == MiB
-    assert over["Sequential"] == 2 * MiB  # x and the ReLU's output
+    assert over["Sequential"] == 3 * MiB  # x, the ReLU's output, and its own output the loss saves
 
 
 def test_phases_of_a_step():
@@ -1104,7 +1107,9 @@ def test_peak_in_loss_outside_the_model():
     r = _simulated(setup)
     assert r.peak.phase == "loss"
     assert r.peak.bytes["parameters"] == 2 * MiB and r.peak.bytes["inputs"] == 256 * KiB
-    assert r.peak.bytes["temporaries"] >= 3 * 32 * MiB  # logits, their log-softmax, its gradient
+    # The log-softmax cross-entropy saves for backward is an activation (of the root); the logits and
+    # the gradient are temporaries
+    assert r.peak.bytes["activations"] == 32 * MiB and r.peak.bytes["temporaries"] >= 2 * 32 * MiB
     assert_adds_up(r)
 
 
