@@ -1123,10 +1123,9 @@ class Tracker:
                 self._saved_seen.clear()
             # Also while recomputing: what the recomputation keeps for the
             # backward in progress are activations again. A forward before this one that no
-            # backward followed (an evaluation with gradients on; a checkpoint_sequential
-            # segment's first layer, called as the model's) left them on: taken off where they
-            # are the innermost, else left on under the hooks pushed since (a checkpoint's,
-            # chained through them: _push_saved_hooks), which only a pop of those may reach.
+            # backward followed (an evaluation with gradients on) left them on (_on_post): taken
+            # off where they are the innermost, else left on under the hooks pushed since, which
+            # chain through them (_push_saved_hooks).
             if self._recompute or self._saved_hooks is None:
                 self._push_saved_hooks()
             elif self._hooks_innermost():
