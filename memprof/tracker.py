@@ -1123,13 +1123,9 @@ class Tracker:
                 self._saved_seen.clear()
             # Also while recomputing: what the recomputation keeps for the
             # backward in progress are activations again. A forward before this one that no
-            # backward followed (an evaluation with gradients on) left them on (_on_post): taken
-            # off where they are the innermost, else left on under the hooks pushed since, which
-            # chain through them (_push_saved_hooks).
+            # backward followed (an evaluation with gradients on) left them on (_on_post): they
+            # serve this one as they are (hooks pushed since chain through them).
             if self._recompute or self._saved_hooks is None:
-                self._push_saved_hooks()
-            elif self._hooks_innermost():
-                self._pop_saved_hooks()
                 self._push_saved_hooks()
         span = _Span(name, alloc)
         self._fwd.append(span)
