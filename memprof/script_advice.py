@@ -32,7 +32,9 @@ import inspect
 import logging
 import math
 import os
+import re
 import statistics
+import sys
 import types
 import weakref
 from contextlib import ExitStack
@@ -46,7 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack as _function_modes
 from torch.utils._pytree import tree_map
 
-from .aten_args import tensors
+from .aten_args import leaves, tensors
 from .advisor import Advice, PlanFactory, _adjusted, _name, _progress, _spread, _step_view, default_plans, parse_budget, plan_table, rank
 from .hooks import Shared
 from .devices import GPU, get_gpu
@@ -318,12 +320,39 @@ class _MicroBatchCut(TorchFunctionMode):
             return out
         if func in _TO_DEVICE and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
             if self._cut(out, sizes=self._joined) is not out:  # copied whole to the device: copy the part instead
-                return self._made(func(args[0][: args[0].shape[0] // self.k], *args[1:], **kwargs))
+                return self._made(func(self._unpadded(args[0]), *args[1:], **kwargs))
         elif func in _FACTORIES:
             part = self._cut(out)
             if part is not out:
                 return self._made(part.clone())  # its own storage, of the part's size
         return out
+
+    def _unpadded(self, whole: torch.Tensor) -> torch.Tensor:
+        """The first 1/k of a host batch, collated as a micro-batch of its own would be: without the
+        padding that only a sample outside it needed. A collate function pads each batch to its
+        longest sample (``pad_sequence``), so micro-batches collated one by one (a DataLoader of 1/k
+        the batch size, Lightning's and Hugging Face's accumulation) are each as long as their own
+        longest sample, and a model that sizes its masks from the per-sample lengths it is given
+        (torchaudio's Conformer: ``arange(max(lengths)) >= lengths``) meets tensors of that length.
+        The lengths are those the script holds beside the batch (:func:`_lengths_beside`); where
+        none is found, or what they call padding is not, the part keeps the batch's length."""
+        part = whole[: whole.shape[0] // self.k]
+        if part.dim() < 2 or not part.numel():
+            return part
+        for d in range(1, part.dim()):
+            n = part.shape[d]
+            lengths = _lengths_beside(whole.shape[0], n)
+            if lengths is None:
+                continue
+            keep = int(lengths[: part.shape[0]].max())
+            if not 0 < keep < n:
+                continue
+            # Padding: one value where the part's samples end, which a longer sample outside it fills.
+            pad = part.narrow(d, keep, n - keep)
+            value = pad.reshape(-1)[0]
+            if bool((pad == value).all()) and not bool((whole.narrow(d, keep, n - keep) == value).all()):
+                return part.narrow(d, 0, keep).contiguous()
+        return part
 
     def _made(self, part: Any) -> Any:
         if isinstance(part, torch.Tensor):
@@ -365,6 +394,25 @@ class _MicroBatchCut(TorchFunctionMode):
                 self._in_model -= 1
 
         return wrapped
+
+
+def _lengths_beside(batch: int, n: int, frames: int = 6) -> torch.Tensor | None:
+    """Per-sample lengths of a batch of ``batch`` samples padded to ``n``, as the code copying
+    the batch to the device holds them: a host tensor of ``batch`` integers, the longest ``n``,
+    among the local variables (or one level into short ones: a dict's values, a tuple's items)
+    of the nearest ``frames`` callers (``for wavs, wav_lens in loader: wavs = wavs.cuda()``); or None."""
+    frame = sys._getframe(2)
+    for _ in range(frames):
+        if frame is None:
+            return None
+        values = frame.f_locals.values()
+        for t in leaves(*(v for v in values if not isinstance(v, (list, tuple, dict)) or len(v) <= 64)):
+            if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 1 and len(t) == batch
+                    and not t.is_floating_point() and not t.is_complex() and t.dtype is not torch.bool
+                    and int(t.max()) == n and int(t.min()) < n):
+                return t
+        frame = frame.f_back
+    return None
 
 
 def _lengths(a: Any) -> bool:
@@ -1033,10 +1081,14 @@ class _Schedule:
             # one's other strategies as many micro-batches or more alike. Fewer may run (BatchNorm
             # refuses a micro-batch of one); without this plan's other strategies, another plan may
             # run (checkpointing's failure is not bf16's).
+            # A module that takes its batch sequence first is named where the error is about the batch's
+            # size (a sequence cut as if it were the batch), not any shape (a mask's length).
+            first, batch = _sequence_first(self.model), self.facts.batch_size if self.facts else None
+            sizes = {str(batch), str(batch // k)} if batch else set()
             message += (" (memprof runs 1/K of the batch to simulate K micro-batches, cutting its tensors where "
                         "they reach the device, and the script's step could not follow"
-                        + (f"; {_sequence_first(self.model)} takes its batch sequence first, which memprof does not cut"
-                           if _sequence_first(self.model) else "") + ")")
+                        + (f"; {first} takes its batch sequence first, which memprof does not cut"
+                           if first and sizes.intersection(re.findall(r"\d+", message)) else "") + ")")
             others = _without_accumulation(self.plans[name])
             failing += [p for p in self.pending() if p != name and _micro_batches(self.plans[p]) >= k
                         and others <= _without_accumulation(self.plans[p])]

@@ -1523,3 +1523,34 @@ def test_accumulation_of_a_batch_the_script_encodes_in_chunks(tmp_path):
     assert {"accum2", "accum4", "accum8", "bf16+accum2"} <= plans, data["failed"]
     # (checkpointing finds no repeated blocks in a three-layer MLP: that is all that fails)
     assert all("no repeated blocks" in why for why in data["failed"].values()), data["failed"]
+
+
+def test_micro_batch_cut_leaves_out_padding_only_other_samples_needed():
+    """A collate function pads each batch to its longest sample: a micro-batch collated alone is as
+    long as its own longest one. torchaudio's Conformer sizes its padding mask from the lengths it
+    is given (``arange(max(lengths)) >= lengths``), and met the whole batch's length: every
+    accumulation plan failed. The lengths are the ones the script holds beside the batch."""
+    import torch
+
+    from memprof.script_advice import _MicroBatchCut
+
+    wav_lens = torch.tensor([3, 5, 2, 4, 9, 7, 8, 6])
+    wavs = torch.zeros(8, 9)
+    for i, n in enumerate(wav_lens.tolist()):
+        wavs[i, :n] = torch.arange(1, n + 1)
+    feats = torch.zeros(8, 80, 9)  # padded along the last dimension
+    for i, n in enumerate(wav_lens.tolist()):
+        feats[i, :, :n] = 1
+    silence = torch.zeros(8, 9)
+    silence[:, :6] = 1  # no sample is longer than 6: padded to a fixed length of 9, not to the lengths
+    cut = _MicroBatchCut(2, batch=8)
+    with cut:
+        assert wavs.to("meta").shape == (4, 5)  # the first four are at most 5 long
+        assert feats.to("meta").shape == (4, 80, 5)
+        assert silence.to("meta").shape == (4, 9)  # positions 5 to 8 are not all padding
+        assert torch.ones(8, 9).to("meta").shape == (4, 9)  # not padded
+        assert wav_lens.to("meta").shape == (4,)
+        lengths = [wav_lens]  # one level into a list
+        assert wavs.to("meta").shape == (4, 5)
+        del wav_lens, lengths
+        assert wavs.to("meta").shape == (4, 9)  # no lengths beside it: as the batch is
