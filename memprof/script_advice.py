@@ -339,9 +339,10 @@ class _MicroBatchCut(TorchFunctionMode):
         part = whole[: whole.shape[0] // self.k]
         if part.dim() < 2 or not part.numel():
             return part
+        beside = _lengths_beside(whole.shape[0])
         for d in range(1, part.dim()):
             n = part.shape[d]
-            lengths = _lengths_beside(whole.shape[0], n)
+            lengths = next((t for t in beside if int(t.max()) == n and int(t.min()) < n), None)
             if lengths is None:
                 continue
             keep = int(lengths[: part.shape[0]].max())
@@ -396,23 +397,21 @@ class _MicroBatchCut(TorchFunctionMode):
         return wrapped
 
 
-def _lengths_beside(batch: int, n: int, frames: int = 6) -> torch.Tensor | None:
-    """Per-sample lengths of a batch of ``batch`` samples padded to ``n``, as the code copying
-    the batch to the device holds them: a host tensor of ``batch`` integers, the longest ``n``,
-    among the local variables (or one level into short ones: a dict's values, a tuple's items)
-    of the nearest ``frames`` callers (``for wavs, wav_lens in loader: wavs = wavs.cuda()``); or None."""
-    frame = sys._getframe(2)
+def _lengths_beside(batch: int, frames: int = 6) -> list[torch.Tensor]:
+    """What may be per-sample lengths of a batch of ``batch`` samples, as the code copying the
+    batch to the device holds them: host tensors of ``batch`` integers among the local variables
+    (or one level into short ones: a dict's values, a tuple's items) of the nearest ``frames``
+    callers (``for wavs, wav_lens in loader: wavs = wavs.cuda()``)."""
+    found, frame = [], sys._getframe(2)
     for _ in range(frames):
         if frame is None:
-            return None
+            break
         values = frame.f_locals.values()
-        for t in leaves(*(v for v in values if not isinstance(v, (list, tuple, dict)) or len(v) <= 64)):
-            if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 1 and len(t) == batch
-                    and not t.is_floating_point() and not t.is_complex() and t.dtype is not torch.bool
-                    and int(t.max()) == n and int(t.min()) < n):
-                return t
+        found += [t for t in leaves(*(v for v in values if not isinstance(v, (list, tuple, dict)) or len(v) <= 64))
+                  if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 1 and len(t) == batch
+                  and not t.is_floating_point() and not t.is_complex() and t.dtype is not torch.bool]
         frame = frame.f_back
-    return None
+    return found
 
 
 def _lengths(a: Any) -> bool:
