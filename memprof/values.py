@@ -115,9 +115,14 @@ class Values(TorchDispatchMode):
         self._constants: dict[weakref.ref, bool] = {}
         # Indices made up spread evenly (topk, argmax of values not followed): noted once read.
         self._spread: dict[weakref.ref, None] = {}
+        # Truths made up (Values.assume): a check the script raises on answers them otherwise.
+        self._assumed: dict[weakref.ref, None] = {}
 
     def _spread_gone(self, key: weakref.ref) -> None:
         self._spread.pop(key, None)
+
+    def _assumed_gone(self, key: weakref.ref) -> None:
+        self._assumed.pop(key, None)
 
     # -- reading ---------------------------------------------------------------
     def shadow(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -331,7 +336,12 @@ class Values(TorchDispatchMode):
                 self._constants[weakref.ref(t.untyped_storage(), self._forget_constant)] = value
             return False
         self._keep(t, torch.full(t.shape, value, dtype=t.dtype, device=_CPU))
+        self._assumed[weakref.ref(t.untyped_storage(), self._assumed_gone)] = None
         return True
+
+    def made_up(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s values are not the script's: not followed, or assumed."""
+        return t.is_meta and (not self._has(t) or weakref.ref(t.untyped_storage()) in self._assumed)
 
     def forget(self, t: torch.Tensor) -> None:
         """``t``'s values are no longer known: written where the simulation does not see."""

@@ -157,16 +157,60 @@ def test_truths_the_step_branches_on_from_values_not_followed():
         logits = torch.randn(LIMIT, 4, device="cuda")  # 16 MiB: not followed
         mask = logits.argmax(-1) == 2
         assert gpu.values.shadow(mask) is None
-        assert mask.any() and not mask.all() and (logits >= 0).any().item() is True
+        # bool() of each, then compared: an assert on a made-up truth is a check, which passes
+        assert [bool(mask.any()), bool(mask.all()), (logits >= 0).any().item()] == [True, False, True]
         assert gpu.values.shadow(mask.view(-1, 4).any(dim=0)) is None  # over a dimension: not assumed
         loss = logits.square().mean()
-        assert not torch.isnan(loss) and not torch.isinf(loss) and torch.isfinite(loss)
-        assert not torch.isnan(loss).logical_or(torch.isinf(loss))  # clip_grad_norm_'s check
-        assert not torch.isnan(logits).any() and not (~torch.isfinite(logits)).any()  # too large for a shadow
-        assert torch.isfinite(logits).all() and not torch.isinf(logits).all()
+        assert [bool(torch.isnan(loss)), bool(torch.isinf(loss)), bool(torch.isfinite(loss))] == [False, False, True]
+        assert not bool(torch.isnan(loss).logical_or(torch.isinf(loss)))  # clip_grad_norm_'s check
+        # too large for a shadow
+        assert [bool(torch.isnan(logits).any()), bool((~torch.isfinite(logits)).any())] == [False, False]
+        assert [bool(torch.isfinite(logits).all()), bool(torch.isinf(logits).all())] == [True, False]
         assert "any()" in gpu.notes and "finite values" in gpu.notes
         known = torch.tensor([0.0, float("nan")], device="cuda")
         assert torch.isnan(known).any() and not torch.isfinite(known).all()  # known values: their answer
+
+
+def test_a_check_on_values_not_followed_passes():
+    """DETR's box check, `if not (boxes[:, 2:] >= boxes[:, :2]).all(): raise ValueError`, read
+    the made-up False of all() and stopped the script; `if (x < 0).any(): raise` likewise read
+    any()'s True. A truth whose one branch raises at once is answered as passing; any other
+    test keeps the made-up answer (a loop's `if done.all(): break` runs on, a router's
+    `if not mask.any(): continue` routes); known values keep theirs (a check that fails on
+    the script's own values raises as on a GPU)."""
+
+    script = {"torch": torch}  # compiled as a script is, not rewritten by pytest's asserts
+    exec(compile("""
+def checked(boxes):
+    if not (boxes[:, 2:] >= boxes[:, :2]).all():
+        raise ValueError(f"boxes must be in corner format, got {boxes}")
+    assert (boxes >= 0).all(), "negative coordinates"
+    if (boxes > 1).any():
+        raise ValueError("boxes must be normalized")
+    if not (boxes[:, 2:] > boxes[:, :2]).all().item():
+        raise ValueError("empty boxes")
+    torch._assert((boxes <= 1).all(), "boxes above 1")
+    return "passed"
+""", "script.py", "exec"), script)
+    checked = script["checked"]
+
+    with VirtualCUDA("h200") as gpu:
+        boxes = torch.rand(LIMIT, 4, device="cuda")  # 16 MiB: not followed
+        assert gpu.values.shadow(boxes >= 0) is None
+        assert checked(boxes) == "passed" and "checks" in gpu.notes
+        steps, done = 0, boxes[:, 0] > 2
+        for _ in range(5):
+            steps += 1
+            if done.all():
+                break
+        routed = 0
+        for expert in range(4):
+            if not (boxes.argmax(-1) == expert).any():
+                continue
+            routed += 1
+        assert (steps, routed) == (5, 4)
+        with pytest.raises(ValueError, match="normalized"):
+            checked(torch.tensor([[0.0, 0.0, 2.0, 2.0]], device="cuda"))
 
 
 def test_a_router_of_values_not_followed_spreads_tokens_evenly():
