@@ -378,6 +378,14 @@ class _MicroBatchCut(TorchFunctionMode):
 
         return tuple(cut(a) for a in args), {k: cut(a) for k, a in kwargs.items()}
 
+    def _samples(self, a: Any) -> bool:
+        """Whether ``a`` is a list of one item per sample of the whole batch: DETR's and torchvision
+        detection's per-image target dicts and images, captions, lengths. An item is no batch of
+        its own (a list of per-layer tensors, each of the batch's size, is not one)."""
+        return (isinstance(a, (list, tuple)) and len(a) in self.sizes and all(
+            isinstance(x, (dict, str, int)) or isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] not in self.sizes)
+            for x in a))
+
     def wrap(self, fn):
         """``fn`` (the model's forward) on 1/k of each argument still of the batch's size."""
         cut = self._cut if self.batch else _divisible(self.k)
@@ -386,8 +394,15 @@ class _MicroBatchCut(TorchFunctionMode):
         def wrapped(*args, **kwargs):
             if self._evaluating():  # evaluation between steps: as the script runs it
                 return fn(*args, **kwargs)
-            args, kwargs = tree_map(lambda t: t if isinstance(t, torch.Tensor) and t.untyped_storage() in self._cut_storages
-                                    else cut(t, device_only=False), (args, kwargs))
+
+            def part(a):
+                if self._samples(a):  # the items' own tensors are not batches (a target with 8 boxes)
+                    self.cuts += 1
+                    return a[: len(a) // self.k]
+                return tree_map(lambda t: t if isinstance(t, torch.Tensor) and t.untyped_storage() in self._cut_storages
+                                else cut(t, device_only=False), a)
+
+            args, kwargs = tuple(map(part, args)), {name: part(a) for name, a in kwargs.items()}
             self._in_model += 1
             try:
                 return fn(*args, **kwargs)

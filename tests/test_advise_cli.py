@@ -1108,6 +1108,31 @@ def test_micro_batch_cut_takes_the_parts_a_script_joins_into_the_batch():
     assert _MicroBatchCut(8, batch=16)._joined == {16, 8}
 
 
+def test_micro_batch_cut_takes_per_sample_lists_given_to_the_model():
+    """DETR takes one target dict per image (``labels=[{"class_labels", "boxes"}, ...]``), torchvision's
+    detectors a list of images and one of targets: the lists are cut with the batch, their items'
+    tensors are left whole (an image's 8 boxes are no batch of 8), and a list that is not one item
+    per sample (per-layer tensors, each of the batch's size) is cut as tensors are."""
+    import torch
+
+    from memprof.script_advice import _MicroBatchCut
+
+    seen = []
+    cut = _MicroBatchCut(2, batch=8)
+    forward = cut.wrap(lambda pixels, labels=None, images=(), layers=(), names=(): seen.append(
+        (tuple(pixels.shape), [tuple(t["boxes"].shape) for t in labels], len(images), [tuple(t.shape) for t in layers],
+         names)))
+    labels = [{"class_labels": torch.ones(n, dtype=torch.long, device="meta"), "boxes": torch.ones(n, 4, device="meta")}
+              for n in (8, 3, 5, 1, 2, 7, 6, 4)]
+    pixels, images, layers = (torch.ones(*shape, device="meta") for shape in ((8, 3, 32, 32), (3, 32, 32), (8, 2)))
+    with cut:  # all made before: cut by the forward alone
+        forward(pixels, labels=labels, images=[images] * 8, layers=[layers] * 3, names=tuple("abcdefgh"))
+        forward(pixels, labels=labels[:5])  # not of the batch's length: no list of samples, its tensors cut as any
+    assert seen == [((4, 3, 32, 32), [(8, 4), (3, 4), (5, 4), (1, 4)], 4, [(4, 2)] * 3, ("a", "b", "c", "d")),
+                    ((4, 3, 32, 32), [(4, 4), (3, 4), (5, 4), (1, 4), (2, 4)], 0, [], ())]
+    assert cut.cuts == 10  # 2 pixel batches, 3 layers, 3 lists, and the second call's 8 labels and 8 boxes
+
+
 CLASSIFIER = """\
 import torch, torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
