@@ -365,16 +365,21 @@ class _MicroBatchCut(TorchFunctionMode):
         parameters): tensors, on the device or not, and per-sample lengths as a list (CTC's
         ``input_lengths``, ``target_lengths``)."""
         values = (*args, *kwargs.values())
-        firsts = [a.shape[0] for a in values if isinstance(a, torch.Tensor) and a.dim() > 0]
-        wholes = firsts + [len(a) for a in values if _lengths(a)]
-        if not (self._parts.intersection(firsts) and self.sizes.intersection(wholes)):
+        firsts = [a.shape[0] if isinstance(a, torch.Tensor) else len(a) for a in values
+                  if isinstance(a, torch.Tensor) and a.dim() > 0 or _lengths(a)]
+        # A whole batch beside another operand of its micro-batch's size: one tensor of a size that is
+        # both (16 rows where the script accumulates 2 of 16 itself) is not met with anything, so the
+        # collator's labels.masked_fill(mask.ne(1), -100) on the host stays whole.
+        wholes = {n for i, n in enumerate(firsts) if n in self.sizes
+                  and any(m == n // self.k for j, m in enumerate(firsts) if j != i)}
+        if not wholes:
             return args, kwargs
 
         def cut(a):
-            if _lengths(a) and len(a) in self.sizes:
+            if _lengths(a) and len(a) in wholes:
                 self.cuts += 1
                 return type(a)(a[: len(a) // self.k])
-            return self._cut(a, device_only=False) if not isinstance(a, nn.Parameter) else a
+            return self._cut(a, device_only=False, sizes=wholes) if not isinstance(a, nn.Parameter) else a
 
         return tuple(cut(a) for a in args), {k: cut(a) for k, a in kwargs.items()}
 

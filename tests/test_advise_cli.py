@@ -1108,6 +1108,22 @@ def test_micro_batch_cut_takes_the_parts_a_script_joins_into_the_batch():
     assert _MicroBatchCut(8, batch=16)._joined == {16, 8}
 
 
+def test_micro_batch_cut_leaves_a_collators_work_on_the_host_alone():
+    """A script that accumulates 2 micro-batches of 16 itself: 16 rows are a whole batch and a
+    micro-batch of 32 at once. Its collator's ``labels.masked_fill(mask.ne(1), -100)`` (Hugging
+    Face's CTC and Whisper collators) meets nothing of another size and stays whole; a loss that
+    meets 8 rows beside 16 cuts the 16."""
+    import torch
+
+    from memprof.script_advice import _MicroBatchCut
+
+    mask, labels = torch.ones(16, 5, dtype=torch.long), torch.zeros(16, 5, dtype=torch.long)
+    with _MicroBatchCut(2, batch=16, script_micro_batches=2) as cut:
+        assert labels.masked_fill(mask.ne(1), -100).shape == (16, 5)
+        assert torch.nn.functional.mse_loss(torch.ones(8, 5), labels.float(), reduction="none").shape == (8, 5)
+    assert cut.cuts == 1
+
+
 def test_micro_batch_cut_takes_per_sample_lists_given_to_the_model():
     """DETR takes one target dict per image (``labels=[{"class_labels", "boxes"}, ...]``), torchvision's
     detectors a list of images and one of targets: the lists are cut with the batch, their items'
