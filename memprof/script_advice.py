@@ -274,7 +274,8 @@ class _MicroBatchCut(TorchFunctionMode):
     A copy to the device of a half, third or quarter of the batch is cut too:
     the parts a script joins on the device into the model's batch (DPO's chosen
     and rejected answers, SimCLR's two views), so each part gives the
-    micro-batch its share."""
+    micro-batch its share. Where the batch is copied from the host, what is made
+    on the device is not cut: it is no data."""
 
     def __init__(self, k: int, batch: int | None, script_micro_batches: int = 1, model: nn.Module | None = None) -> None:
         super().__init__()
@@ -288,6 +289,9 @@ class _MicroBatchCut(TorchFunctionMode):
         # queries 16 at a time) are views of a micro-batch already, not whole batches of the chunk's size.
         self._cut_storages: weakref.WeakSet = weakref.WeakSet()
         self._in_model = 0
+        # A batch copied from the host: then a tensor of the batch's size made on the device is the
+        # step's own (DINO's EMA teacher's drop-path noise, sized by its two views joined), not data.
+        self._copied = False
         #: Tensors (and length lists) cut so far: none in a step means its batch was not found.
         self.cuts = 0
 
@@ -320,8 +324,9 @@ class _MicroBatchCut(TorchFunctionMode):
             return out
         if func in _TO_DEVICE and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
             if self._cut(out, sizes=self._joined) is not out:  # copied whole to the device: copy the part instead
+                self._copied = True
                 return self._made(func(self._unpadded(args[0]), *args[1:], **kwargs))
-        elif func in _FACTORIES:
+        elif func in _FACTORIES and not self._copied:
             part = self._cut(out)
             if part is not out:
                 return self._made(part.clone())  # its own storage, of the part's size
@@ -563,10 +568,27 @@ def _checkpointing_switch(model: nn.Module) -> str:
 
 
 def tensor_shapes(named: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
-    """The tensors among ``named`` values: name -> (shape, short dtype)."""
+    """The tensors among ``named`` values: name -> (shape, short dtype). A list of tensors gives
+    each as ``name[i]`` (DINO's crops, each a batch of the views of one size), except a list of
+    one image per sample, which a list of as many target dicts beside it tells (torchvision's
+    detectors: ``model(images, targets)``): that is one batch, ``[len(images), *image.shape]``."""
+    samples = {len(v) for v in named.values() if isinstance(v, (list, tuple)) and v
+               and all(isinstance(x, dict) for x in v)}
+    out = {}
+    for k, v in named.items():
+        if isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v):
+            if len(v) in samples:
+                out[str(k)] = ([len(v), *_dims(v[0])], _dtype(v[0].dtype))
+            else:
+                out.update({f"{k}[{i}]": (_dims(t), _dtype(t.dtype)) for i, t in enumerate(v)})
+        elif isinstance(v, torch.Tensor):
+            out[str(k)] = (_dims(v), _dtype(v.dtype))
+    return out
+
+
+def _dims(t: torch.Tensor) -> list[int | str]:
     # A nested jagged tensor's ragged dimension is a symbolic size: named, as PyTorch prints it.
-    return {str(k): ([d if isinstance(d, int) else str(d) for d in t.shape], _dtype(t.dtype))
-            for k, t in named.items() if isinstance(t, torch.Tensor)}
+    return [d if isinstance(d, int) else str(d) for d in t.shape]
 
 
 def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -84,6 +84,12 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
                 yield o
 
 
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in the root's inputs, however nested: DINO's list of crops, DETR's per-image
+    target dicts (storages recorded already keep their category: a carried state stays activations)."""
+    return [t for t in torch.utils._pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
 def _on_first_grad(obj: Any, fn, handles: list) -> list[torch.Tensor]:
     """Call ``fn`` when backward reaches the first of ``obj``'s tensors that need grad.
 
@@ -1050,7 +1056,7 @@ class Tracker:
         # pre-hook that names the positional ones (_on_pre, which ran first) sees no kwargs.
         if kwargs and self._profiled and not self._recompute and self._fwd:
             name = self._names.get(module)
-            for t in _tensors(kwargs):
+            for t in _leaves(kwargs):
                 if self._on_device(t):
                     self._ledger.add(_storage(t), Category.INPUTS, name)
 
@@ -1117,7 +1123,7 @@ class Tracker:
         if outer:  # the root: its inputs, and start watching saved tensors
             self._failed = None  # an error caught by the script, which goes on
             if not self._recompute:
-                for t in _tensors(args):
+                for t in _leaves(args):
                     if self._on_device(t):
                         self._ledger.add(_storage(t), Category.INPUTS, name)
                 self._saved_seen.clear()

@@ -1069,9 +1069,12 @@ def test_micro_batch_cut_takes_the_batch_where_it_reaches_the_device():
     forward = cut.wrap(lambda x, n: seen.append((tuple(x.shape), tuple(torch.arange(n, device="meta").shape))))
     with cut:
         assert cut.sizes == {8, 24}
+        assert torch.randint(0, 9, (8,), device="meta").shape == (4,)  # made there
         assert torch.ones(8, 5).to("meta").shape == (4, 5)  # copied to the device: half of it
         assert torch.ones(24).to("meta").shape == (12,)  # a batch the script splits in 3 itself
-        assert torch.randint(0, 9, (8,), device="meta").shape == (4,)  # made there
+        # once a batch came from the host, what is made on the device is the step's own: drop-path
+        # noise of two views of 4 joined
+        assert torch.rand(8, 1, 1, device="meta").shape == (8, 1, 1)
         assert torch.ones(8).shape == (8,)  # on the host: not yet the batch
         assert torch.ones(6, 8, device="meta").shape == (6, 8)  # not of the batch's size
         forward(torch.ones(8, 2, device="meta"), 8)  # given whole: cut; the model's own tensors: not
@@ -1122,6 +1125,23 @@ def test_micro_batch_cut_leaves_a_collators_work_on_the_host_alone():
         assert labels.masked_fill(mask.ne(1), -100).shape == (16, 5)
         assert torch.nn.functional.mse_loss(torch.ones(8, 5), labels.float(), reduction="none").shape == (8, 5)
     assert cut.cuts == 1
+
+
+def test_the_batch_in_a_list_argument():
+    """DINO's ``model(crops)``: each crop a batch of one view's size; torchvision's detectors'
+    ``model(images, targets)``: one image per sample, as a list of as many target dicts says."""
+    import torch
+
+    from memprof.script_advice import ScriptFacts, tensor_shapes
+
+    crops = [torch.ones(32, 3, 224, 224)] * 2 + [torch.ones(32, 3, 96, 96, dtype=torch.bfloat16)]
+    shapes = tensor_shapes({"x": crops})
+    assert shapes == {"x[0]": ([32, 3, 224, 224], "fp32"), "x[1]": ([32, 3, 224, 224], "fp32"),
+                      "x[2]": ([32, 3, 96, 96], "bf16")}
+    assert ScriptFacts(batch=shapes).batch_size == 32
+    images, targets = [torch.ones(3, 480, 640)] * 4, [{"boxes": torch.ones(5, 4)}] * 4
+    shapes = tensor_shapes({"images": images, "targets": targets})
+    assert shapes == {"images": ([4, 3, 480, 640], "fp32")} and ScriptFacts(batch=shapes).batch_size == 4
 
 
 def test_micro_batch_cut_takes_per_sample_lists_given_to_the_model():

@@ -263,6 +263,31 @@ def test_inputs_passed_by_keyword():
     assert r.modules.loc["Masked", "inputs"] == 2 * MiB
 
 
+
+def test_inputs_in_lists_and_dicts():
+    """DINO calls model(crops), a list of views; DETR passes one target dict per image. Every
+    tensor in them is an input (they were temporaries)."""
+
+    class MultiCrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(512, 512, bias=False)
+
+        def forward(self, crops, targets=()):
+            return sum(self.lin(c).sum() for c in crops) + sum(t["boxes"].sum() for t in targets)
+
+    model = MultiCrop()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crops = [torch.randn(512, 512), torch.randn(256, 512)]  # 1 MiB and 0.5 MiB
+    targets = [{"boxes": torch.ones(128, 512)}] * 2  # one 0.25 MiB tensor, given twice
+    with memprof.track(model, warmup=2) as prof:
+        for _ in range(2):
+            model(crops, targets=targets).backward()
+            opt.step()
+            opt.zero_grad()
+    assert prof.report().peak.bytes["inputs"] == MiB + MiB // 2 + MiB // 4
+
+
 def test_other_optimizer_is_ignored():
     model, other = mlp(), mlp()
     opt = torch.optim.AdamW(model.parameters())
