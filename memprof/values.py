@@ -672,11 +672,27 @@ def _sparse_mask(self, mask):
                                    check_invariants=False)
 
 
+def _add(self, other, *args, **kwargs):
+    """``sparse + sparse``: CUDA's kernel concatenates the two operands' indices and values instead
+    of merging them (SparseCUDATensorMath.cu, ``add_out_sparse_cuda``), uncoalesced: the gradient of
+    an embedding looked up twice (a knowledge graph's head and tail entities) has both lookups'
+    rows. PyTorch's meta kernel makes it without any. ``dense + sparse``: dense, as CUDA's."""
+    if self.layout is torch.strided:
+        return torch.empty_like(self, dtype=torch.result_type(self, other))
+    indices, values = self._indices(), self._values()
+    nnz = indices.shape[1] + other._indices().shape[1]
+    return torch.sparse_coo_tensor(indices.new_empty((indices.shape[0], nnz)),
+                                   values.new_empty((nnz, *values.shape[1:]), dtype=torch.result_type(self, other)),
+                                   self.shape, is_coalesced=False, check_invariants=False)
+
+
 def _add_(self, other, *args, **kwargs):
     """``dense.add_(sparse)`` (SparseAdam's update, the parameter's ``add_``): in place, where
-    PyTorch's kernel would coalesce on the meta device, which it cannot. A sparse ``self`` (sparse
-    gradients accumulated) as PyTorch's meta kernel has it."""
-    return self if self.layout is torch.strided else self.add_(other, *args, **kwargs)
+    PyTorch's kernel would coalesce on the meta device, which it cannot. ``sparse.add_(sparse)``
+    (autograd accumulating a sparse gradient): ``self`` holds the two concatenated (:func:`_add`)."""
+    if self.layout is torch.strided:
+        return self
+    return torch.ops.aten.copy_sparse_to_sparse_(self, _add(self, other))
 
 
 def _sparse_product(self, *args, **kwargs):
@@ -691,7 +707,7 @@ def _sparse_product(self, *args, **kwargs):
 #: with arguments from the 'SparseMeta' backend"): a graph's adjacency built by the script.
 _SPARSE = {"aten::_coalesce": _coalesce, "aten::mm": _sparse_product, "aten::addmm": _sparse_product,
            "aten::_sparse_addmm": _sparse_product, "aten::_sparse_mm": _sparse_product, "aten::clone": _clone,
-           "aten::sparse_mask": _sparse_mask, "aten::add_": _add_}
+           "aten::sparse_mask": _sparse_mask, "aten::add": _add, "aten::add_": _add_}
 
 
 #: Operators that hand values to the host, called from C++ (``istft``'s checks of its window):

@@ -687,6 +687,25 @@ def test_a_sparse_gradient_and_sparse_adam_on_the_simulated_gpu(tmp_path, clean)
     assert report.optimizer_state == {"exp_avg": MiB, "exp_avg_sq": MiB}  # 1024 x 256 fp32 each
 
 
+
+def test_sparse_gradients_summed_keep_every_lookup(tmp_path, clean):
+    """A knowledge graph's entity table is looked up for heads and tails: autograd sums the two
+    sparse gradients, and CUDA concatenates their rows (add_out_sparse_cuda), 64 + 64 of 256 fp32
+    values; a second backward before the step adds 128 more in place. PyTorch's meta kernels
+    gave the sum no rows: no gradient, and SparseAdam's step skipped the table."""
+    report = observe_script(write(tmp_path, """
+        import torch
+        emb = torch.nn.Embedding(1024, 256, sparse=True).cuda()
+        opt = torch.optim.SparseAdam(list(emb.parameters()))
+        for i in range(10):
+            for _ in range(2):
+                h, t = torch.randint(0, 1024, (2, 64), device="cuda")
+                (emb(h) * emb(t)).sum().backward()
+            opt.step(); opt.zero_grad()
+    """), steps=3, target="h200")
+    assert report.timeline["gradients"].max() == 4 * 64 * 256 * 4
+    assert report.optimizer_state == {"exp_avg": MiB, "exp_avg_sq": MiB}
+
 @pytest.mark.parametrize("habit", list(HABITS))
 def test_habits_that_stopped_the_simulated_gpu(tmp_path, habit, clean):
     """Each stopped the simulation before: "Cannot access storage of SparseTensorImpl",
