@@ -237,8 +237,16 @@ class ZeRO(Strategy):
 
 def _check_shardable(model: nn.Module) -> None:
     """FSDP2 shards parameters along their first dimension and refuses a non-contiguous one
-    (``fully_shard``: "FSDP does not support non-contiguous parameters yet"): a plan that needs
-    it fails here, as it would on the GPU, rather than being advised."""
+    (``fully_shard``: "FSDP does not support non-contiguous parameters yet"), and its backward
+    reduces gradients by concatenating them, which a sparse gradient cannot be ("Could not run
+    'fsdp::chunk_cat' with arguments from the 'SparseCPU' backend", likewise on CUDA): a plan that
+    needs it fails here, as it would on the GPU, rather than being advised."""
+    for name, m in model.named_modules():
+        if getattr(m, "sparse", False) is True and any(p.requires_grad for p in m.parameters(recurse=False)):
+            raise ValueError(
+                f"module {name or type(m).__name__} ({type(m).__name__}) makes sparse gradients (sparse=True), and "
+                "FSDP2's fully_shard, which ZeRO-2/3 and state offload use, reduces dense gradients only: build it "
+                "with sparse=False (and a dense optimizer) to shard it")
     for name, p in model.named_parameters():
         if not p.is_contiguous():
             layout = "channels_last" if p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) else \

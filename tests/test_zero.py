@@ -158,6 +158,25 @@ def test_sharding_plans_fail_for_parameters_fsdp2_cannot_shard():
     assert w.applied == ["zero1x2"]
 
 
+def test_sharding_plans_fail_for_sparse_gradients(one_rank):
+    """FSDP2's backward concatenates the gradients it reduces, which a sparse embedding's cannot
+    be: the plans fail when simulated, as fully_shard itself does in backward (checked here)."""
+    from torch.distributed.fsdp import fully_shard
+
+    net = nn.Sequential(nn.Embedding(100, 16, sparse=True), nn.Linear(16, 4))
+    w = Workload(net, torch.optim.SGD(net.parameters(), lr=0.1), torch.randint(0, 100, (8,)), lambda m, x: m(x).sum())
+    for plan in (ZeRO(2, 2), ZeRO(3, 4), StateOffload()):
+        with pytest.raises(ValueError, match=r"module 0 \(Embedding\) makes sparse gradients \(sparse=True\), and FSDP2"):
+            plan.apply_simulated(w)
+    ZeRO(1, 2).apply_simulated(w)
+    net[0].weight.requires_grad_(False)  # frozen: no gradient to reduce
+    ZeRO(3, 4).apply_simulated(w)
+    assert w.applied == ["zero1x2", "zero3x4"]
+    fully_shard(net := nn.Sequential(nn.Embedding(100, 16, sparse=True), nn.Linear(16, 4)))
+    with pytest.raises(NotImplementedError, match="chunk_cat"):
+        net(torch.randint(0, 100, (8,))).sum().backward()
+
+
 def test_autocast_follows_the_batch_not_offloaded_parameters():
     # FSDP2's CPU offload keeps the parameters on the host while the step
     # computes on the GPU: autocast is for the device of the batch (then of
