@@ -1010,7 +1010,21 @@ class _Schedule:
             if self._watch is not None:
                 self._watch.close()
             self._watch = _Watch(model, opt)
+            self._check_accounted(model, opt)
         self._next()
+
+    def _check_accounted(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        """Strategies accounted for after the step (sharding) never run on the script's model: what
+        they check of it when simulated (FSDP2's refusals: a sparse embedding, a channels-last
+        weight) fails their plans here, before any step."""
+        for name in self.pending():
+            accounted = [s for s in self.plans[name] if not s.simulated]
+            if accounted:
+                try:
+                    with Workload(model, opt, batch=None, loss_fn=None).plan(accounted, simulated=True):
+                        pass
+                except ValueError as e:
+                    self.failed[name] = f"{type(e).__name__}: {e}"
 
     def on_step(self, tracker) -> bool:
         from .simulate import replay_step

@@ -38,7 +38,7 @@ from .devices import GPU, get_gpu
 from .meta_kernels import PLAIN_TENSORS, KernelCache
 from .reductions import REDUCTIONS, staging_bytes
 from .report import Report
-from .softmax import SOFTMAXES, softmax_copies
+from .kernel_copies import COPYING, kernel_copies
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
 
@@ -479,8 +479,8 @@ class SimulatedAllocator(TorchDispatchMode):
         if cudnn:  # the copies held for the call, and each cuDNN call's blocks in turn
             held, calls = cudnn
             self._transient(calls, held)
-        if func in SOFTMAXES and args[0].is_meta:
-            self._transient([softmax_copies(func, args)])
+        if func in COPYING and args[0].is_meta:
+            self._transient([kernel_copies(func, args)])
         if cost is None:  # the host's own work (a data pipeline): no simulated time
             return out
         uploaded = _uploaded(func, args, kwargs)
@@ -694,8 +694,8 @@ def _cost(func, args: tuple, kwargs: dict, out: Any):
     if getattr(func, "is_view", False) or func.__name__.split(".")[0] in _NO_KERNEL:
         return 0, 0, None, False, False, OTHER
     nbytes = sum(t.numel() * t.element_size() for t in (*ins, *outs))
-    if func in SOFTMAXES:  # its copies (memprof.softmax), each written and read once more
-        nbytes += 2 * sum(softmax_copies(func, args))
+    if func in COPYING:  # its copies (memprof.kernel_copies), each written and read once more
+        nbytes += 2 * sum(kernel_copies(func, args))
     dtype = next((t.dtype for t in ins if t.is_floating_point()), None)
     kind, flops = _kernel_kind(func, args), _flops(func, args, kwargs, out)
     if kind == ATTENTION:

@@ -800,6 +800,35 @@ def test_softmax_copies_as_cuda_takes_them():
         assert rise(lambda: torch.ops.aten._log_softmax_backward_data(g.mT, y.mT, -2, torch.float32)) == 3 * 4 * MiB
 
 
+def test_layer_norm_copies_a_non_contiguous_input_as_cuda_does():
+    """layer_norm_kernel.cu runs forward and backward on ``input.expect_contiguous()``: wav2vec
+    2.0's LayerNorm over a convolution's output transposed (16 x 512 x 128 fp32, 4 MiB) takes a
+    4 MiB copy beside its 4 MiB output, in forward and in backward; a contiguous input takes none."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = get_gpu("H200-141GB")
+    alloc = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=alloc):
+        norm = torch.nn.LayerNorm(512, elementwise_affine=False).cuda()
+        features = torch.randn(16, 512, 128, device="cuda").transpose(1, 2)  # 4 MiB, channels last by a view
+
+        def rise(op) -> int:
+            alloc.reset_peak()
+            before = alloc.read().allocated
+            op()
+            return alloc.read().peak_allocated - before
+
+        assert rise(lambda: norm(features)) == 2 * 4 * MiB + 2 * 8192  # + mean and rstd, 2048 fp32 each
+        assert rise(lambda: norm(features.contiguous())) == 2 * 4 * MiB + 2 * 8192  # the copy is the script's
+        out, mean, rstd = torch.ops.aten.native_layer_norm(features, [512], None, None, 1e-5)
+        grad = torch.ones_like(out)
+        assert rise(lambda: torch.ops.aten.native_layer_norm_backward(
+            grad, features, [512], mean, rstd, None, None, [True, False, False])) == 2 * 4 * MiB
+        assert rise(lambda: torch.ops.aten.native_layer_norm_backward(
+            grad, out, [512], mean, rstd, None, None, [True, False, False])) == 4 * MiB
+
+
 def test_rms_norm_as_cuda_runs_it():
     """On CUDA F.rms_norm (nn.RMSNorm, Llama-style QK-norm) runs one fused kernel that keeps the
     input and a float per row; the composite other devices run kept a float copy too (192 MiB

@@ -1,11 +1,12 @@
-"""The blocks CUDA's softmax kernels take for their run, measured and simulated side by side.
+"""The blocks CUDA's softmax and layer norm kernels take for their run, measured and simulated
+side by side.
 
-    python benchmarks/softmax_copies.py [--out FILE]     # on a GPU: measured, and simulated for the H200
+    python benchmarks/kernel_copies.py [--out FILE]     # on a GPU: measured, and simulated for the H200
 
-Each case runs one softmax operator on 4 MiB fp32 tensors (8 x 128 x 1024) and
+Each case runs one softmax or layer norm operator on 4 MiB fp32 tensors (8 x 128 x 1024) and
 reports how far the peak allocated rose above what was allocated before it: on
 the GPU (torch.cuda.max_memory_allocated) and on the simulated H200
-(memprof.softmax). Without a GPU only the simulated column is filled.
+(memprof.kernel_copies). Without a GPU only the simulated column is filled.
 """
 
 from __future__ import annotations
@@ -29,12 +30,20 @@ def cases(device: str):
     shifted = logits[:, :-1]  # 4 MiB, not contiguous
     y = shifted.contiguous().softmax(-1)
     g = torch.ones_like(y)
+    features = torch.randn(8, 1024, 128, device=device).transpose(1, 2)  # wav2vec 2.0's: channels last by a view
+    normed, mean, rstd = ops.native_layer_norm(features, [1024], None, None, 1e-5)
     return {
         "log_softmax of a non-contiguous input": lambda: shifted.log_softmax(-1),
         "log_softmax of a contiguous input": lambda: y.log_softmax(-1),
         "softmax backward": lambda: ops._softmax_backward_data(g, y, -1, torch.float32),
         "log_softmax backward": lambda: ops._log_softmax_backward_data(g, y, -1, torch.float32),
         "log_softmax backward, both transposed": lambda: ops._log_softmax_backward_data(g.mT, y.mT, -2, torch.float32),
+        "layer_norm of a non-contiguous input": lambda: ops.native_layer_norm(features, [1024], None, None, 1e-5),
+        "layer_norm of a contiguous input": lambda: ops.native_layer_norm(normed, [1024], None, None, 1e-5),
+        "layer_norm backward, input not contiguous": lambda: ops.native_layer_norm_backward(
+            g, features, [1024], mean, rstd, None, None, [True, False, False]),
+        "layer_norm backward, input contiguous": lambda: ops.native_layer_norm_backward(
+            g, normed, [1024], mean, rstd, None, None, [True, False, False]),
     }
 
 

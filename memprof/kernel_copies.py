@@ -1,4 +1,5 @@
-"""The blocks CUDA's softmax kernels take for their run, which PyTorch's meta kernels leave out.
+"""The blocks CUDA's softmax and layer norm kernels take for their run, which PyTorch's meta
+kernels leave out.
 
 From aten/src/ATen/native/cuda/SoftMax.cu:
 
@@ -9,6 +10,13 @@ From aten/src/ATen/native/cuda/SoftMax.cu:
 * ``softmax_backward_cuda_out`` first makes ``tmp = grad * output`` (the product's
   dtype, every element) and hands it over as the gradient.
 
+From aten/src/ATen/native/cuda/layer_norm_kernel.cu: ``layer_norm_cuda`` and
+``layer_norm_backward_cuda`` run on ``input.expect_contiguous()``: a LayerNorm over a
+transposed input (wav2vec 2.0's feature encoder: a convolution's output transposed to put
+channels last) is copied, in forward and again in backward (autograd saves the input as it
+was given). The gradient reaches the backward contiguous already (derivatives.yaml's
+``grad.contiguous()``, an operator of its own).
+
 Each block is taken after the kernel's output and given back when it returns.
 """
 
@@ -16,19 +24,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SOFTMAXES", "softmax_copies"]
+__all__ = ["COPYING", "kernel_copies"]
 
 _ops = torch.ops.aten
-SOFTMAXES = {_ops._softmax.default, _ops._log_softmax.default, _ops._softmax_backward_data.default,
-             _ops._log_softmax_backward_data.default}
+_SOFTMAXES = {_ops._softmax.default, _ops._log_softmax.default, _ops._softmax_backward_data.default,
+              _ops._log_softmax_backward_data.default}
+_LAYER_NORMS = {_ops.native_layer_norm.default: 0, _ops.native_layer_norm_backward.default: 1}  # the input's place
+COPYING = _SOFTMAXES | set(_LAYER_NORMS)
 
 
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def softmax_copies(func, args: tuple) -> tuple[int, ...]:
-    """The bytes of the blocks the softmax operator ``func`` takes for its run, all alive at once."""
+def kernel_copies(func, args: tuple) -> tuple[int, ...]:
+    """The bytes of the blocks the operator ``func`` (of :data:`COPYING`) takes for its run, all alive at once."""
+    if func in _LAYER_NORMS:
+        x = args[_LAYER_NORMS[func]]
+        return () if x.is_contiguous() else (_bytes(x),)
     if func in (_ops._softmax.default, _ops._log_softmax.default):
         x = args[0]
         return () if x.is_contiguous() else (_bytes(x),)
