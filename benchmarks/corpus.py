@@ -164,6 +164,12 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "swin-ema-onecycle": (".", "swin_ema_onecycle.py", ["--steps", "10"], ()),
     "hf-accelerate-manual-accum": (".", "hf_accelerate_manual_accum.py", ["--steps", "10", "--eval-steps", "1000"],
                                    ("accelerate",)),
+    "hf-detr-matcher": (".", "hf_detr_matcher.py", ["--steps", "10"], ("transformers", "scipy", "PIL")),
+    "wav2vec2-ctc": (".", "wav2vec2_ctc.py", ["--steps", "10"], ("transformers",)),
+    "dino-multicrop": (".", "dino_multicrop.py", ["--steps", "10"], ()),
+    "pointnet2-seg": (".", "pointnet2_seg.py", ["--steps", "10"], ()),
+    "kge-sparse-adam": (".", "kge_sparse_adam.py", ["--steps", "10"], ()),
+    "hf-segformer": (".", "hf_segformer.py", ["--steps", "10"], ("transformers", "accelerate")),
 }
 
 

@@ -108,6 +108,16 @@ SMALL = {
                          "--num-heads", "4", "--ffn-dim", "128", "--num-layers", "2"],
     "swin_ema_onecycle.py": ["--batch-size", "2", "--num-classes", "10", "--workers", "0"],  # 224: its windows tile it
     "hf_accelerate_manual_accum.py": ["--per-device-train-batch-size", "2", "--block-size", "64"],
+    "hf_detr_matcher.py": ["--batch-size", "2", "--min-size", "64", "--max-size", "96", "--max-boxes", "4",
+                           "--num-queries", "10", "--d-model", "32", "--layers", "2"],
+    "wav2vec2_ctc.py": ["--per-device-batch-size", "2", "--min-seconds", "0.5", "--max-seconds", "1.0",
+                        "--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "--intermediate-size", "128"],
+    "dino_multicrop.py": ["--arch", "vit_tiny", "--out_dim", "1024", "--batch_size_per_gpu", "2",
+                          "--global_crops_size", "64", "--local_crops_number", "2", "--local_crops_size", "32"],
+    "pointnet2_seg.py": ["--batch_size", "2", "--npoint", "512"],
+    "kge_sparse_adam.py": ["--num-entities", "2000", "--num-relations", "50", "--hidden-dim", "32", "--proj-hidden",
+                           "64", "--batch-size", "64", "--neg-size", "16", "--eval-chunk", "500", "--num-test", "8"],
+    "hf_segformer.py": ["--image-size", "64", "--batch-size", "2", "--eval-batch-size", "2", "--num-labels", "10"],
 }
 
 
@@ -222,7 +232,8 @@ def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
 
 @pytest.mark.parametrize("name", ["nanogpt-fp16-scaler", "gqa-fp32", "hf-trainer", "lightning", "vision-reference",
                                   "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier", "fsdp2-llama",
-                                  "prefetch-classifier", "dcgan", "conformer-asr"])
+                                  "prefetch-classifier", "dcgan", "conformer-asr", "hf-detr-matcher", "wav2vec2-ctc",
+                                  "dino-multicrop", "kge-sparse-adam"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -241,6 +252,12 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert advice["skipped"]["offload_states"].startswith("the script shards the model already (FSDP2)")
     if name == "conformer-asr":  # each micro-batch as long as its longest sample, as its padding mask is
         assert "accum2" in plans, advice["failed"]
+    # DETR: its box checks pass, its per-image target dicts are cut with the images; wav2vec 2.0: its
+    # collator's host tensors are left whole; DINO: its crops (a list) give the batch size
+    if name in ("hf-detr-matcher", "wav2vec2-ctc", "dino-multicrop"):
+        assert {"accum2", "ckpt"} <= plans, advice["failed"]
+    if name == "kge-sparse-adam":  # FSDP2 reduces no sparse gradient
+        assert "makes sparse gradients (sparse=True)" in advice["failed"]["offload_states"]
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
         assert "accum2" in plans and "torch.distributed" in advice["baseline"]["meta"]["simulation_notes"]
 
