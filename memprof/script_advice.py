@@ -991,6 +991,7 @@ class _Schedule:
         self._evaluated = True  # whether the script's step before had an evaluation (the first: taken as is)
         #: The shapes (but the first dimension) of the model's training inputs seen while plans ran.
         self.shapes: set[tuple] = set()
+        self._step_shapes: list[tuple] = []  # of the step in progress, one per forward
         #: The highest peak allocated of a step with an evaluation in it, and the plan it ran with (allocated:
         #: the reserved high-water mark a step reads may be from before the cache was emptied for the plan).
         self.evaluation_peak: tuple[int, str] = (0, "")
@@ -1028,6 +1029,11 @@ class _Schedule:
 
     def on_step(self, tracker) -> bool:
         from .simulate import replay_step
+
+        # A step's shapes: its forwards' in order (a model called for positives, then for negatives, is one)
+        if self._step_shapes:
+            self.shapes.add(self._step_shapes[0] if len(self._step_shapes) == 1 else tuple(self._step_shapes))
+            self._step_shapes = []
 
         before, self._evaluated = self._evaluated, tracker.evaluated
         if self._evaluated and not before:
@@ -1195,9 +1201,8 @@ class _Schedule:
         if torch.is_grad_enabled() and module.training and self._current is not None:
             # The batch's shape but its first dimension (which accumulation cuts): dynamic padding changes it
             # (a nested jagged tensor's ragged size is symbolic, another per batch: named as PyTorch prints it)
-            shape = tuple(tuple(d if isinstance(d, int) else str(d) for d in t.shape[1:])
-                          for t in tensors(args, kwargs) if isinstance(t, torch.Tensor))
-            self.shapes.add(shape)
+            self._step_shapes.append(tuple(tuple(d if isinstance(d, int) else str(d) for d in t.shape[1:])
+                                           for t in tensors(args, kwargs) if isinstance(t, torch.Tensor)))
 
     def _advance(self, name: str) -> None:
         if self.advance is not None and name not in self._advanced:

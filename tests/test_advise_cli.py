@@ -998,6 +998,18 @@ def test_plans_run_on_batches_of_other_shapes_say_so(tmp_path):
     assert "the script's batches change shape from step to step (3 shapes" in r.stdout + r.stderr
     fixed, _ = advise_source(tmp_path, EVALUATING.format(every=0))
     assert fixed["varying_batch_shapes"] == []
+    # a model called twice a step on inputs of two shapes (a knowledge graph's positives, then its
+    # negatives): the same step every time, no change of shape
+    twice, _ = advise_source(tmp_path, "\n".join([
+        "import torch, torch.nn as nn",
+        "model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 1)).cuda()",
+        "opt = torch.optim.AdamW(model.parameters())",
+        "for step in range(40):",
+        "    pos, neg = torch.randint(0, 1000, (8, 3)).cuda(), torch.randint(0, 1000, (8, 64)).cuda()",
+        "    (model(neg).mean() - model(pos).mean()).backward()",
+        "    opt.step(); opt.zero_grad()",
+    ]) + "\n")
+    assert twice["varying_batch_shapes"] == []
 
 
 def test_an_evaluation_with_gradients_on_is_not_cut(tmp_path):
