@@ -47,6 +47,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack as _function_modes
 from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .aten_args import leaves, tensors
 from .advisor import Advice, PlanFactory, _adjusted, _name, _progress, _spread, _step_view, default_plans, parse_budget, plan_table, rank
@@ -85,7 +86,7 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
             raise ValueError(f"a batch of {batch} samples cannot be cut into {w.micro_batches} micro-batches "
                              "of equal size")
         stack.enter_context(cut)
-        stack.enter_context(_later_micro_batches(model, optimizer))
+        stack.enter_context(_later_micro_batches(model, optimizer, w.micro_batches))
 
     region = _AutocastRegion(w, stack) if w.autocast_dtype is not None else None
     live = [True]  # emptied when the plan is undone
@@ -189,8 +190,8 @@ def _outermost(module: nn.Module, planned, depth: list[int], live: list):
 
 
 @contextlib.contextmanager
-def _later_micro_batches(model: nn.Module, optimizer: torch.optim.Optimizer | None):
-    """Each step a micro-batch after the first of K: the gradients the earlier ones left are there.
+def _later_micro_batches(model: nn.Module, optimizer: torch.optim.Optimizer | None, k: int):
+    """Each step a micro-batch after the first of ``k``: the gradients the earlier ones left are there.
 
     The plan's step runs one micro-batch of K; the first of a real step's K makes the
     gradients as its backward goes, the others add into them (a whole set of gradients
@@ -198,18 +199,39 @@ def _later_micro_batches(model: nn.Module, optimizer: torch.optim.Optimizer | No
     optimizer's step is higher). So the model's trainable parameters are given gradients
     where they have none, and zero_grad (the optimizer's, the model's) zeroes them in
     place instead of dropping them. Parameters held as other tensor types (FSDP's DTensors)
-    and sparse embeddings' weights (their gradients would become dense) are left as they are."""
-    sparse = {id(m.weight) for m in model.modules()
-              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+    are left as they are. A sparse embedding's gradient grows with each micro-batch instead:
+    CUDA sums sparse gradients by concatenating their rows (``add_out_sparse_cuda``), so
+    zero_grad leaves it with K - 1 times the rows one micro-batch made (zeros: row 0)."""
+    # Keyed by identity: a tensor's == is elementwise (weakref.WeakSet would compare two weights by it)
+    sparse = WeakIdKeyDictionary({m.weight: None for m in model.modules()
+                                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse})
+    carried = WeakIdKeyDictionary()  # sparse weight -> the rows the earlier micro-batches left
     with torch.no_grad():
+        for p in sparse:  # a whole step's rows, where the script zeroes its gradients as a step begins
+            if p.grad is not None and p.grad.is_sparse:
+                carried[p] = p.grad._nnz() * (k - 1) // k
+                p.grad = _zero_rows(p.grad, carried[p])
         for p in model.parameters():
-            if (p.requires_grad and id(p) not in sparse and type(p.data) is torch.Tensor
+            if (p.requires_grad and p not in sparse and type(p.data) is torch.Tensor
                     and (p.grad is None or p.grad.shape != p.shape or p.grad.dtype != p.dtype)):
                 p.grad = torch.zeros_like(p)
+
+    def zero_grad(zero, owner, *args: Any, **kwargs: Any) -> None:
+        for p in sparse:
+            if p.grad is not None and p.grad.is_sparse and p.grad._nnz() > carried.get(p, 0):  # a micro-batch ran
+                carried[p] = (k - 1) * (p.grad._nnz() - carried.get(p, 0))
+        _zero_in_place(zero, owner, *args, **kwargs)
+        with torch.no_grad():
+            for p in sparse:
+                g = p.grad
+                if g is None or not g.is_sparse or g._nnz() == carried.get(p, 0):
+                    continue
+                p.grad = _zero_rows(g, carried[p])
+
     owners = [(o, vars(o).get("zero_grad")) for o in (optimizer, model) if o is not None]
     for owner, _ in owners:
         # Through the instance's __dict__: a wrapper's __setattr__ (Fabric's) would pass it on.
-        vars(owner)["zero_grad"] = functools.partial(_zero_in_place, owner.zero_grad, owner)
+        vars(owner)["zero_grad"] = functools.partial(zero_grad, owner.zero_grad, owner)
     try:
         yield
     finally:
@@ -218,6 +240,13 @@ def _later_micro_batches(model: nn.Module, optimizer: torch.optim.Optimizer | No
                 del vars(owner)["zero_grad"]
             else:
                 vars(owner)["zero_grad"] = own
+
+
+def _zero_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """A sparse gradient like ``like`` of ``rows`` zero rows (each at index 0, uncoalesced)."""
+    return torch.sparse_coo_tensor(like._indices().new_zeros((like.sparse_dim(), rows)),
+                                   like._values().new_zeros((rows, *like.shape[like.sparse_dim():])),
+                                   like.shape, is_coalesced=False, check_invariants=False)
 
 
 def _zero_in_place(zero_grad, owner, set_to_none: bool = True, *args: Any, **kwargs: Any) -> None:

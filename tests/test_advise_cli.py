@@ -1156,6 +1156,34 @@ def test_the_batch_in_a_list_argument():
     assert shapes == {"images": ([4, 3, 480, 640], "fp32")} and ScriptFacts(batch=shapes).batch_size == 4
 
 
+def test_a_later_micro_batch_carries_the_earlier_ones_sparse_rows():
+    """A sparse embedding's gradient is summed by concatenating rows: after 3 micro-batches of 6
+    lookups, the 4th of an accumulation plan's K=4 runs beside 18 rows, and the step ends with 24,
+    the whole batch's. zero_grad leaves the 18 (zeros, so training is unchanged); a second
+    zero_grad (the model's after the optimizer's) adds none; a dense weight's gradient is kept."""
+    import torch
+    from torch import nn
+
+    from memprof.script_advice import _later_micro_batches
+
+    model = nn.Sequential(nn.Embedding(100, 4, sparse=True), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    table = model[0].weight
+    with _later_micro_batches(model, opt, 4):
+        assert table.grad is None and model[1].weight.grad.shape == (1, 4)
+        for step in range(2):
+            model(torch.arange(1, 7)).sum().backward()  # (the host's kernel merges a row found on both sides)
+            assert table.grad.is_sparse and table.grad._nnz() == (6 if step == 0 else 24)
+            opt.step()
+            opt.zero_grad()
+            model.zero_grad()
+            assert table.grad._nnz() == 18 and float(table.grad._values().abs().sum()) == 0
+    with _later_micro_batches(model, opt, 1):  # one micro-batch: nothing carried
+        model(torch.arange(1, 7)).sum().backward()
+        opt.zero_grad()
+        assert table.grad._nnz() == 0
+
+
 def test_micro_batch_cut_takes_per_sample_lists_given_to_the_model():
     """DETR takes one target dict per image (``labels=[{"class_labels", "boxes"}, ...]``), torchvision's
     detectors a list of images and one of targets: the lists are cut with the batch, their items'
