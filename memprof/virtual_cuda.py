@@ -486,7 +486,7 @@ def _scalar(vc: "VirtualCUDA", t: torch.Tensor, name: str) -> Any:
     # not zero (a step counter or a norm read back for a division must not
     # divide by zero), and False for truth tests (no NaN found, no early stop).
     _read_back(vc, t)
-    value = _made_up_scalar(vc, t, name)
+    value = _scalar_value(vc, t, name)
     if (name == "__bool__" or t.dtype is torch.bool) and vc.values.made_up(t):
         # A check on the script's values passes on its real data (assert (x >= 0).all()).
         raising = raising_truth(after_call=name != "__bool__")
@@ -497,7 +497,7 @@ def _scalar(vc: "VirtualCUDA", t: torch.Tensor, name: str) -> Any:
     return value
 
 
-def _made_up_scalar(vc: "VirtualCUDA", t: torch.Tensor, name: str) -> Any:
+def _scalar_value(vc: "VirtualCUDA", t: torch.Tensor, name: str) -> Any:
     known = vc.values.shadow(t)
     if known is not None:
         return getattr(known, name)()
