@@ -46,14 +46,15 @@ CONVOLUTIONS = {_ops.convolution.default, _ops.convolution_backward.default}
 
 def channels_last_like(t: torch.Tensor) -> bool:
     """``TensorImpl::is_strides_like_channels_last`` for a 4-D tensor (c10's
-    is_channels_last_strides_2d_s4): ambiguous cases (size-1 dimensions) as C++ decides them."""
-    if t.dim() != 4:
+    is_channels_last_strides_2d_s4), ``is_strides_like_channels_last_3d`` for a 5-D one
+    (is_channels_last_strides_3d_s5): ambiguous cases (size-1 dimensions) as C++ decides them."""
+    if t.dim() not in (4, 5):
         return False
     sizes, strides = t.shape, t.stride()
     if strides[1] == 0:
         return False
     low = 0
-    for d in (1, 3, 2, 0):
+    for d in ((1, 3, 2, 0) if t.dim() == 4 else (1, 4, 3, 2, 0)):
         if sizes[d] == 0 or strides[d] < low:
             return False
         if d == 0 and low == strides[1]:
@@ -75,7 +76,8 @@ def cudnn_layout(func, args: tuple, out) -> tuple[object, tuple[int, ...], list[
     x, w = (args[0], args[1]) if forward else (args[1], args[2])
     stride, padding, transposed, groups = (args[3], args[4], args[6], args[8]) if forward else (
         args[4], args[5], args[7], args[9])
-    channels_last = w.dim() == 4 and torch.float64 not in (x.dtype, w.dtype) and (
+    # cudnn_conv_suggest_memory_format: ChannelsLast for a 4-D weight, ChannelsLast3d for a 5-D one
+    channels_last = w.dim() in (4, 5) and torch.float64 not in (x.dtype, w.dtype) and (
         channels_last_like(x) or channels_last_like(w))
     depthwise = groups > 1 and groups == x.shape[1] and w.shape[1] == 1
     y = out if forward else args[0]
@@ -124,9 +126,10 @@ def cudnn_workspace(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, stride, p
 
 
 def _relaid(t: torch.Tensor | None, channels_last: bool) -> torch.Tensor | None:
-    if t is None or t.dim() != 4 or channels_last_like(t) == channels_last:
+    if t is None or t.dim() not in (4, 5) or channels_last_like(t) == channels_last:
         return t
-    return torch.empty_like(t, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    layout = (torch.channels_last if t.dim() == 4 else torch.channels_last_3d) if channels_last else torch.contiguous_format
+    return torch.empty_like(t, memory_format=layout)
 
 
 def tf32_allowed(conv: bool) -> bool:

@@ -1146,6 +1146,7 @@ class _Schedule:
                         "leave out what the layout its first step leaves adds (run it for more steps after --)")
             self._emptied = None
         self._stack.close()
+        self._step_shapes = []  # of a step the run's end cut short: no step's (it would join the next run's first)
         if self._watch is not None:
             self._watch.close()
             self._watch = None

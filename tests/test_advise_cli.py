@@ -1010,6 +1010,23 @@ def test_plans_run_on_batches_of_other_shapes_say_so(tmp_path):
         "    opt.step(); opt.zero_grad()",
     ]) + "\n")
     assert twice["varying_batch_shapes"] == []
+    # two micro-batches a step and an evaluation every third: a run of the script stops at its step
+    # limit mid-step, and that step's forwards are no step's (they joined the next run's first: 4 for 2)
+    cut_short, _ = advise_source(tmp_path, "\n".join([
+        "import torch, torch.nn as nn",
+        "model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()",
+        "opt = torch.optim.AdamW(model.parameters())",
+        "for step in range(60):",
+        "    for _ in range(2):",
+        "        nn.functional.cross_entropy(model(torch.randn(32, 256).cuda()), torch.randint(0, 10, (32,)).cuda()).backward()",
+        "    opt.step(); opt.zero_grad()",
+        "    if step % 3 == 2:",
+        "        model.eval()",
+        "        with torch.no_grad():",
+        "            model(torch.randn(32, 256).cuda())",
+        "        model.train()",
+    ]) + "\n")
+    assert cut_short["varying_batch_shapes"] == []
 
 
 def test_an_evaluation_with_gradients_on_is_not_cut(tmp_path):

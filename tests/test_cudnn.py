@@ -58,12 +58,32 @@ def test_an_input_in_the_other_layout_is_copied_for_the_kernel():
             assert torch.cuda.max_memory_allocated() - before == y.untyped_storage().nbytes() + copy
 
 
+def test_a_3d_convolution_in_channels_last_3d_runs_in_it():
+    """cudnn_conv_suggest_memory_format picks ChannelsLast3d for a 5-D weight when the input or the
+    weight is channels_last_3d (a video model's ``model.to(memory_format=torch.channels_last_3d)``):
+    the output is in that layout and nothing is copied, as for a 2-D convolution (it was run as a
+    contiguous one: each call copied its operands). 2 x 64 x 8 x 28 x 28 bf16: 3,136 KiB in, 7,056 out."""
+    with VirtualCUDA(H200, allocator=SimulatedAllocator(H200)):
+        conv = nn.Conv3d(64, 144, (1, 3, 3), padding=(0, 1, 1), bias=False).cuda().to(
+            dtype=torch.bfloat16, memory_format=torch.channels_last_3d)
+        x = torch.randn(2, 64, 8, 28, 28, device="cuda", dtype=torch.bfloat16).contiguous(
+            memory_format=torch.channels_last_3d)
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            y = conv(x)
+        assert y.is_contiguous(memory_format=torch.channels_last_3d) and not y.is_contiguous()
+        assert torch.cuda.max_memory_allocated() - before == y.untyped_storage().nbytes() == 2 * 144 * 8 * 28 * 28 * 2
+
+
 @pytest.mark.parametrize("shape, strides, expected", [
     ((8, 64, 32, 32), (65536, 1, 2048, 64), True),   # channels-last
     ((8, 64, 32, 32), (65536, 1024, 32, 1), False),  # contiguous
     ((128, 64, 1, 1), (64, 1, 64, 64), True),        # a 1 x 1 weight made channels-last: C++ says so
     ((8, 1, 1, 1), (1, 1, 1, 1), False),             # N111: ambiguous, contiguous by default
-    ((8, 64, 32), (2048, 1, 64), False),             # not 4-D
+    ((8, 64, 32), (2048, 1, 64), False),             # neither 4-D nor 5-D
+    ((2, 64, 4, 8, 8), (16384, 1, 4096, 512, 64), True),  # channels_last_3d
+    ((2, 64, 4, 8, 8), (16384, 256, 64, 8, 1), False),    # contiguous 5-D
 ])
 def test_channels_last_like_follows_c10(shape, strides, expected):
     t = torch.empty_strided(shape, strides, device="meta")
