@@ -1014,16 +1014,18 @@ def test_plans_run_on_batches_of_other_shapes_say_so(tmp_path):
     # limit mid-step, and that step's forwards are no step's (they joined the next run's first: 4 for 2)
     cut_short, _ = advise_source(tmp_path, "\n".join([
         "import torch, torch.nn as nn",
-        "model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()",
+        "model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)], nn.Linear(256, 10))",
+        "model = model.cuda()",
         "opt = torch.optim.AdamW(model.parameters())",
         "for step in range(60):",
         "    for _ in range(2):",
-        "        nn.functional.cross_entropy(model(torch.randn(32, 256).cuda()), torch.randint(0, 10, (32,)).cuda()).backward()",
+        "        x, y = torch.randn(32, 256, device='cuda'), torch.randint(0, 10, (32,), device='cuda')",
+        "        nn.functional.cross_entropy(model(x), y).backward()",
         "    opt.step(); opt.zero_grad()",
         "    if step % 3 == 2:",
         "        model.eval()",
         "        with torch.no_grad():",
-        "            model(torch.randn(32, 256).cuda())",
+        "            model(torch.randn(32, 256, device='cuda'))",
         "        model.train()",
     ]) + "\n")
     assert cut_short["varying_batch_shapes"] == []
