@@ -663,7 +663,9 @@ class _Watch:
         # to run outside another is the step's entry (as memprof.script_advice applies plans).
         self._entry: weakref.ref | None = None
         self._open: list[bool] = []  # per entry forward running: whether it counts
-        self._outputs: list[weakref.ref] = []  # the last counted forward's output tensors
+        # The last counted forward's output tensors' storages: a state passed back detached by the
+        # script's loop (a TBPTT's repackage_hidden, [s.detach() for s in state]) is a new tensor over one
+        self._outputs = weakref.WeakSet()
         self._entries = weakref.WeakSet(_entries(model))  # (a copy of the model shares their hooks)
         for m in _entries(model):
             self._handles += [m.register_forward_pre_hook(Shared(self._on_entry), with_kwargs=True),
@@ -704,7 +706,8 @@ class _Watch:
         self.forwards += 1
         self._forward_since = True
         carried = [t for t in torch.utils._pytree.tree_leaves((args, kwargs or {}))
-                   if isinstance(t, torch.Tensor) and any(t is r() for r in self._outputs)]
+                   if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+                   and t.untyped_storage() in self._outputs]
         self.facts.carried_state = max(self.facts.carried_state, len(carried))
         if self.forwards == 1:
             self._autocast()
@@ -713,7 +716,8 @@ class _Watch:
     def _on_entry_end(self, module, args, output) -> None:
         if self._handles and self._open and self._open.pop():
             # What the model returns, to tell the state a script passes back to its next forward.
-            self._outputs = [weakref.ref(t) for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+            self._outputs = weakref.WeakSet(t.untyped_storage() for t in torch.utils._pytree.tree_leaves(output)
+                                            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter))
 
     def _on_module(self, name: str, module, args) -> None:
         if torch._C._current_graph_task_id() == -1:

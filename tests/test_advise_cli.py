@@ -329,6 +329,21 @@ def test_state_the_model_gets_back_is_not_cut_into_micro_batches():
         watch.step()
     facts = watch.close()
     assert facts.carried_state == 1
+    # truncated backpropagation through time: the loop detaches the state (a new tensor over its storage)
+    watch, state = _Watch(net, opt), ()
+    for _ in range(3):
+        loss, *state = net(torch.randn(16, 8), *state)
+        state = [s.detach() for s in state]
+        loss.backward()
+        opt.step()
+        watch.step()
+    assert watch.close().carried_state == 1
+    watch = _Watch(net, opt)  # a fresh batch each step carries nothing
+    for _ in range(3):
+        net(torch.randn(16, 8))[0].backward()
+        opt.step()
+        watch.step()
+    assert watch.close().carried_state == 0
     done = what_is_done({"accum2": [Accumulation(2)], "ckpt": [Checkpointing(blocks=["cell"])]}, facts, net, "script")
     assert list(done) == ["accum2"] and "back to its next forward" in done["accum2"]
 
