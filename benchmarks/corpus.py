@@ -170,6 +170,10 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "pointnet2-seg": (".", "pointnet2_seg.py", ["--steps", "10"], ()),
     "kge-sparse-adam": (".", "kge_sparse_adam.py", ["--steps", "10"], ()),
     "hf-segformer": (".", "hf_segformer.py", ["--steps", "10"], ("transformers", "accelerate")),
+    "hf-mlm-fused": (".", "hf_mlm_fused.py", ["--steps", "10"], ("transformers", "accelerate")),
+    "rwkv-tbptt": (".", "rwkv_tbptt.py", ["--steps", "10"], ()),
+    "lightning-vit-callbacks": (".", "lightning_vit_callbacks.py", ["--steps", "10"], ("lightning",)),
+    "video-3d-cudnn": (".", "video_3d_cudnn.py", ["--steps", "10"], ()),
 }
 
 

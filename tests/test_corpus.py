@@ -118,6 +118,14 @@ SMALL = {
     "kge_sparse_adam.py": ["--num-entities", "2000", "--num-relations", "50", "--hidden-dim", "32", "--proj-hidden",
                            "64", "--batch-size", "64", "--neg-size", "16", "--eval-chunk", "500", "--num-test", "8"],
     "hf_segformer.py": ["--image-size", "64", "--batch-size", "2", "--eval-batch-size", "2", "--num-labels", "10"],
+    "hf_mlm_fused.py": ["--num-layers", "2", "--hidden-size", "64", "--num-heads", "4", "--intermediate-size", "128",
+                        "--vocab-size", "1000", "--min-len", "16", "--max-len", "32", "--num-samples", "64",
+                        "--batch-size", "4"],
+    "rwkv_tbptt.py": ["--vocab-size", "1000", "--n-embd", "64", "--n-layer", "2", "--ctx-len", "32", "--chunk-len", "8",
+                      "--batch-size", "2"],
+    "lightning_vit_callbacks.py": ["--batch-size", "4", "--image-size", "32", "--embed-dim", "64", "--depth", "2",
+                                   "--num-heads", "4", "--num-classes", "10"],
+    "video_3d_cudnn.py": ["--batch-size", "2", "--clip-len", "4", "--crop", "32", "--num-classes", "10", "--workers", "0"],
 }
 
 
@@ -233,7 +241,7 @@ def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
 @pytest.mark.parametrize("name", ["nanogpt-fp16-scaler", "gqa-fp32", "hf-trainer", "lightning", "vision-reference",
                                   "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier", "fsdp2-llama",
                                   "prefetch-classifier", "dcgan", "conformer-asr", "hf-detr-matcher", "wav2vec2-ctc",
-                                  "dino-multicrop", "kge-sparse-adam"])
+                                  "dino-multicrop", "kge-sparse-adam", "rwkv-tbptt"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -256,6 +264,8 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
     # collator's host tensors are left whole; DINO: its crops (a list) give the batch size
     if name in ("hf-detr-matcher", "wav2vec2-ctc", "dino-multicrop"):
         assert {"accum2", "ckpt"} <= plans, advice["failed"]
+    if name == "rwkv-tbptt":  # its recurrent state, detached by the loop, is passed back: not cut
+        assert "back to its next forward" in advice["skipped"]["accum2"] and not advice["failed"]
     if name == "kge-sparse-adam":  # FSDP2 reduces no sparse gradient
         assert "makes sparse gradients (sparse=True)" in advice["failed"]["offload_states"]
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
