@@ -47,7 +47,7 @@ from torch import nn
 from memprof.advisor import parse_budget
 from memprof.devices import GPU, get_gpu
 from memprof.report import Report
-from memprof.tracker import Tracker, track
+from memprof.tracker import Tracker, active_tracker, track
 
 from .common import close_tracker, publish
 
@@ -262,6 +262,11 @@ class MemprofTrainerCallback(TrainerCallback):
         self._advise_pending = self.advise
         # An out-of-memory error's breakdown goes where the trainer writes; one folder per rank.
         oom_dir = args.output_dir if args.world_size == 1 else os.path.join(args.output_dir, f"rank{args.process_index}")
+        if active_tracker() is not None:  # memprof track train.py, or a track() block around train()
+            log.warning("memprof: memprof is tracking this process already (memprof track, or a memprof.track block "
+                        "around train()); MemprofTrainerCallback leaves the tracking and the report to it")
+            self._advise_pending = False
+            return
         opt = _torch_optimizer(optimizer)
         tracker = track(model, opt, device=args.device, warmup=self.warmup, every=self.every, oom_dir=oom_dir)
         tracker.__enter__()

@@ -42,7 +42,7 @@ from memprof.report import Report
 from memprof.trainer_advice import TrainerAdvice
 
 from .common import close_tracker, publish
-from memprof.tracker import Tracker, track
+from memprof.tracker import Tracker, active_tracker, track
 
 __all__ = ["MemprofCallback"]
 
@@ -198,6 +198,11 @@ class MemprofCallback(Callback):
         # An out-of-memory error's breakdown goes where the trainer writes; one folder per rank.
         oom_dir = trainer.default_root_dir if trainer.world_size == 1 else os.path.join(
             trainer.default_root_dir, f"rank{trainer.global_rank}")
+        if active_tracker() is not None:  # memprof track train.py, or a track() block around the fit
+            rank_zero_warn("MemprofCallback: memprof is tracking this process already (memprof track, or a "
+                           "memprof.track block around fit); the callback leaves the tracking and the report to it")
+            self._trained = True  # (trained, but not by this callback's tracking: no "ran no training step")
+            return
         tracker = track(pl_module, device=pl_module.device, warmup=self.warmup, every=self.every, oom_dir=oom_dir)
         tracker.__enter__()
         self._tracker = tracker

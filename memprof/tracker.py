@@ -55,7 +55,7 @@ from .ledger import Ledger
 from .manual_steps import GradientWatch
 from .report import MODULE_CATEGORIES, MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Phase, Report
 
-__all__ = ["Tracker", "track"]
+__all__ = ["Tracker", "active_tracker", "track"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,11 @@ _OWN = "the optimizer's own"  # the detail of parameters the optimizer holds and
 # process-global, so two trackers would see (and reset the counters of) each
 # other's steps.
 _active: weakref.ref | None = None
+
+
+def active_tracker() -> "Tracker | None":
+    """The ``track`` block open in this process, if any (one at a time: see Tracker.__enter__)."""
+    return _active() if _active is not None else None
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -155,6 +155,19 @@ def test_exact_metrics_in_log_history_for_the_profiled_steps(tmp_path):
     assert_no_hooks(model, before)
 
 
+def test_a_tracker_open_already_keeps_the_run(tmp_path, caplog):
+    """``memprof track train.py`` on a script that adds the callback (or a track() block around
+    train()): the callback leaves the tracking to the tracker open already, saying so; it stopped
+    the run before ("memprof.track is already active")."""
+    trainer = make_trainer(tmp_path, max_steps=3)
+    model = trainer.model
+    with memprof.track(model, warmup=0) as outer, caplog.at_level(logging.WARNING, logger="memprof.callbacks"):
+        callback = train(trainer, budget="24GiB")
+    assert trainer.state.global_step == 3 and callback.report is None and callback.advice is None
+    assert len(outer.report().steps) == 3 and not memprof_logs(trainer)
+    assert "memprof is tracking this process already" in caplog.text
+
+
 def test_evaluation_is_not_a_training_step(tmp_path):
     plain = train(make_trainer(tmp_path / "plain", max_steps=6), warmup=2, every=2).report
     model = gpt2()

@@ -115,6 +115,24 @@ def test_exact_bytes_and_one_row_per_optimizer_step():
     assert_no_hooks(model)
 
 
+def test_a_tracker_open_already_keeps_the_fit(recwarn):
+    """``memprof track train.py`` on a script whose Trainer has the callback (or a track() block
+    around fit): the callback leaves the tracking to the tracker open already, saying so; it stopped
+    the fit before ("memprof.track is already active")."""
+    cb = MemprofCallback(print_report=False)
+    model = Tiny()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+    with memprof.track(model, warmup=0) as outer:
+        trainer.fit(model, loader())
+    assert trainer.global_step == 3 and cb.report is None
+    assert len(outer.report().steps) == 3 and outer.report().peak.bytes["parameters"] == 2 * MiB
+    messages = [str(w.message) for w in recwarn]
+    assert any("memprof is tracking this process already" in m for m in messages)
+    assert not any("ran no training step" in m for m in messages)
+    assert_no_hooks(model)
+
+
 def test_gradient_accumulation_counts_optimizer_steps():
     cb = MemprofCallback(print_report=False)
     trainer = fit(cb, max_steps=2, accumulate_grad_batches=2)
