@@ -249,8 +249,9 @@ def _check_shardable(model: nn.Module) -> None:
                 "with sparse=False (and a dense optimizer) to shard it")
     for name, p in model.named_parameters():
         if not p.is_contiguous():
-            layout = "channels_last" if p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) else \
-                f"strides {tuple(p.stride())}"
+            layout = ("channels_last" if p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) else
+                      "channels_last_3d" if p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d) else
+                      f"strides {tuple(p.stride())}")
             raise ValueError(
                 f"parameter {name} is not contiguous ({layout}), and FSDP2's fully_shard, which ZeRO-2/3 and state "
                 "offload use, shards contiguous parameters only")

@@ -156,6 +156,9 @@ def test_sharding_plans_fail_for_parameters_fsdp2_cannot_shard():
             plan.apply_simulated(w)
     ZeRO(1, 2).apply_simulated(w)
     assert w.applied == ["zero1x2"]
+    video = nn.Conv3d(3, 8, 3).to(memory_format=torch.channels_last_3d)
+    with pytest.raises(ValueError, match=r"parameter weight is not contiguous \(channels_last_3d\)"):
+        ZeRO(3, 2).apply_simulated(Workload(video, torch.optim.SGD(video.parameters(), lr=0.1), None, None))
 
 
 def test_sharding_plans_fail_for_sparse_gradients(one_rank):
