@@ -1282,7 +1282,9 @@ def test_a_classifier_gets_checkpointing_and_accumulation(tmp_path):
     norm, act) in a ModuleList, batches from a DataLoader copied to the GPU, the
     loss outside the model against the targets."""
     data, _ = advise_source(tmp_path, CLASSIFIER)
-    assert data["failed"] == {}
+    # channels-last weights, which FSDP2 does not shard: state offload fails before any step
+    assert set(data["failed"]) == {"offload_states", "bf16+offload_states"}
+    assert all("stem.weight is not contiguous (channels_last)" in why for why in data["failed"].values())
     plans = {p["plan"]: p for p in data["plans"]}
     assert {"ckpt", "accum2", "accum4", "ckpt+accum2"} <= set(plans)
     # Its 4 blocks are checkpointed; fewer samples a micro-batch hold less.
