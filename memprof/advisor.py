@@ -380,7 +380,7 @@ def _plan_counters(w: Workload, allocator, steps: int, optimizer_steps: "_Optimi
     if steps == 1:
         derived = allocator.since(start)
     for h in kept or ():  # the replayed optimizer's state, which no tensor holds
-        allocator.model.free(h)
+        allocator.free(h)
     if derived is not None or kept is not None:
         return derived
     for _ in range(steps - 1):

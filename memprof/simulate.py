@@ -226,6 +226,12 @@ class SimulatedAllocator(TorchDispatchMode):
         #: clocks (:meth:`charge`; see :func:`replay_step`).
         self.events: list[tuple] | None = None
         self._handles: dict[weakref.ref, int] = {}
+        # A storage's weakref callback frees its block. The cyclic garbage collector runs at
+        # any allocation of a Python object, the allocator model's own included, so a block
+        # held only by a reference cycle can be freed in the middle of another malloc or
+        # free: such frees wait here until the model's operation is done.
+        self._in_model = False
+        self._deferred: list[int] = []
         #: cuBLAS's workspaces taken so far, by thread: autograd's (True) or the training thread's.
         self._workspaces: dict[bool, int] = {}
         # Peaks (allocated, reserved) folded in before memprof's own resets.
@@ -330,7 +336,7 @@ class SimulatedAllocator(TorchDispatchMode):
         return len(self._workspaces) * cublas_workspace_bytes(self.gpu.compute_capability)
 
     def empty_cache(self) -> None:
-        self.model.empty_cache()
+        self._model_call(self.model.empty_cache)
 
     def rewind(self, saved: CachingAllocatorModel) -> bool:
         """Put the allocator back in the state ``saved`` (a copy of :attr:`model`
@@ -357,10 +363,9 @@ class SimulatedAllocator(TorchDispatchMode):
                 handles[e[1]] = self._malloc(e[2])
                 continue
             if kind == "f":
-                h = handles.pop(e[1])
-                self.model.free(h)
-                e = ("f", h)
-            elif kind == "c":  # as charge() charges it
+                self.free(handles.pop(e[1]))
+                continue
+            if kind == "c":  # as charge() charges it
                 self.host += e[1]
                 self.device += e[1]
                 self.busy += e[2]
@@ -381,11 +386,30 @@ class SimulatedAllocator(TorchDispatchMode):
                 for storage in _storages(t):
                     self._allocate(storage)
 
+    def _model_call(self, op: Callable, *args, event: Callable[[Any], tuple] | None = None):
+        """``op(*args)`` on the allocator model, its ``event(result)`` recorded where events
+        are, and then the frees a garbage collection asked for meanwhile (see ``_deferred``)."""
+        self._in_model = True
+        try:
+            result = op(*args)
+        finally:
+            self._in_model = False
+        if event is not None and self.events is not None:
+            self.events.append(event(result))
+        while self._deferred:
+            self.free(self._deferred.pop(0))
+        return result
+
     def _malloc(self, nbytes: int) -> int:
-        handle = self.model.malloc(nbytes)
-        if self.events is not None:
-            self.events.append(("m", handle, nbytes))
-        return handle
+        return self._model_call(self.model.malloc, nbytes, event=lambda handle: ("m", handle, nbytes))
+
+    def free(self, handle: int) -> None:
+        """Free the allocator model's block ``handle`` (one no tensor holds: a replayed
+        step's, a kernel's transient block), recorded where events are recorded."""
+        if self._in_model:
+            self._deferred.append(handle)
+        else:
+            self._model_call(self.model.free, handle, event=lambda _: ("f", handle))
 
     def handle(self, t: torch.Tensor) -> int | None:
         """The allocator model's handle of the block holding ``t``, if the simulation made it."""
@@ -421,25 +445,18 @@ class SimulatedAllocator(TorchDispatchMode):
         of it (a reduction's accumulation buffer, a convolution's copies of its operands), and
         the blocks of each piece in turn (a reduction's staging buffer and semaphores, each
         cuDNN call's copies and workspace)."""
-        def free(h: int) -> None:
-            self.model.free(h)
-            if self.events is not None:
-                self.events.append(("f", h))
-
         around = [self._malloc(n) for n in held if n]
         for piece in pieces:
             handles = [self._malloc(n) for n in piece if n]
             for h in reversed(handles):
-                free(h)
+                self.free(h)
         for h in reversed(around):
-            free(h)
+            self.free(h)
 
     def _free(self, key: weakref.ref) -> None:
         handle = self._handles.pop(key, None)
         if handle is not None:
-            self.model.free(handle)
-            if self.events is not None:
-                self.events.append(("f", handle))
+            self.free(handle)
 
     #: Higher-order operators (flex attention) come to this mode too (see _higher_order).
     supports_higher_order_operators = True

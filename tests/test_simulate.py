@@ -972,3 +972,41 @@ def test_fp8_matrix_products_run_on_fp8_tensor_cores_where_the_gpu_has_them():
             else:
                 with pytest.raises(RuntimeError, match="compute capability >= 9.0 or 8.9"):
                     scaled_mm()
+
+
+def test_block_freed_by_a_garbage_collection_inside_another_free(monkeypatch):
+    """A storage held only by a reference cycle is freed when the cyclic garbage collector
+    runs, and it runs at any allocation of a Python object: here in the middle of the
+    allocator model's free of the block beside it (a reversible layer's autograd Function
+    class made per call is such a cycle). Its free waits for the model's to end."""
+    import gc
+    from memprof import caching
+    from memprof.simulate import SimulatedAllocator
+
+    allocator = SimulatedAllocator(H100)
+    with VirtualCUDA(H100, allocator=allocator):
+        blocks = [torch.empty(3 * MiB, dtype=torch.uint8, device="cuda") for _ in range(6)]
+
+        class Cycle:
+            def __init__(self, t):
+                self.t, self.me = t, self
+
+        Cycle(blocks[2])
+        blocks[2] = None  # now held by the unreachable cycle only
+        collected = []
+
+        def insort(pool, item):  # the collection runs inside free(), before its pool insert
+            if not collected:
+                collected.append(gc.collect())
+            return caching_insort(pool, item)
+
+        caching_insort = caching.insort
+        monkeypatch.setattr(caching, "insort", insort)
+        blocks[3] = None
+        monkeypatch.undo()
+        assert collected and collected[0] > 0
+        allocator.model.check_invariants()
+        assert allocator.model.allocated == 4 * 3 * MiB
+        blocks = None
+        allocator.model.check_invariants()
+        assert allocator.model.allocated == 0
