@@ -1358,7 +1358,10 @@ def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> 
                 raise  # the script as it is cannot be observed: nothing to advise on
             cause = exc.__cause__
             said = raised(cause, path) if cause is not None else str(exc)
-            if schedule.started:
+            if schedule.started or len(schedule.pending()) == before:
+                # In its step, or before its first forward with no plan's step done in this run: the
+                # plan applied at the run's start broke what the script does before calling the model
+                # (a check of the cut batch against targets memprof left whole), not the script's end.
                 schedule.fail(said)
             else:  # after the last plan's step, before the next one began: the script's end, not the plan's
                 log.warning("%s after its training steps; the plans not run yet run in another run of it", said)

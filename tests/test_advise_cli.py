@@ -629,6 +629,32 @@ def test_an_error_after_the_last_step_is_not_a_plans(tmp_path):
     assert {"accum2", "accum4", "accum8", "bf16", "offload_act"} <= {p["plan"] for p in data["plans"]}
 
 
+def test_an_error_before_a_plans_first_forward_fails_that_plan_only(tmp_path):
+    """The script checks its batch against its labels before calling the model; the labels stay
+    on the host, where memprof does not cut them, so every accumulation plan raises there, in a
+    run where no plan's step ran yet. Those plans fail, with the cut's explanation; the plans
+    after them run (they all failed with the accumulation's error before)."""
+    data, _ = advise_source(tmp_path, "\n".join([
+        "import torch",
+        "import torch.nn.functional as F",
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)).cuda()",
+        "opt = torch.optim.AdamW(model.parameters())",
+        "for step in range(6):",
+        "    x = torch.randn(32, 64).cuda()",
+        "    y = torch.randint(0, 4, (32,))",
+        "    if x.shape[0] != y.shape[0]:",
+        "        raise ValueError(f'{x.shape[0]} inputs but {y.shape[0]} labels')",
+        "    F.cross_entropy(model(x), y.cuda()).backward()",
+        "    opt.step(); opt.zero_grad()",
+    ]) + "\n")
+    accumulating = {p for p in data["failed"] if "accum" in p}
+    assert accumulating == {f"{pre}accum{k}" for pre in ("", "ckpt+", "bf16+", "bf16+ckpt+") for k in (2, 4, 8)}
+    assert all("ValueError: 16 inputs but 32 labels" in data["failed"][p] for p in accumulating if p.endswith("accum2"))
+    assert all("cutting its tensors where they reach the device" in data["failed"][p] for p in accumulating)
+    assert {p["plan"] for p in data["plans"]} == {"baseline", "bf16", "offload_act", "bf16+offload_act",
+                                                  "offload_states", "bf16+offload_states"}
+
+
 WRAPPED = """\
 import functools
 import torch, torch.nn as nn
