@@ -303,8 +303,8 @@ class _MicroBatchCut(TorchFunctionMode):
     A copy to the device of a half, third or quarter of the batch is cut too:
     the parts a script joins on the device into the model's batch (DPO's chosen
     and rejected answers, SimCLR's two views), so each part gives the
-    micro-batch its share. Where the batch is copied from the host, what is made
-    on the device is not cut: it is no data."""
+    micro-batch its share, until the batch is copied whole. Where the batch is
+    copied from the host, what is made on the device is not cut: it is no data."""
 
     def __init__(self, k: int, batch: int | None, script_micro_batches: int = 1, model: nn.Module | None = None) -> None:
         super().__init__()
@@ -321,6 +321,9 @@ class _MicroBatchCut(TorchFunctionMode):
         # A batch copied from the host: then a tensor of the batch's size made on the device is the
         # step's own (DINO's EMA teacher's drop-path noise, sized by its two views joined), not data.
         self._copied = False
+        # A whole batch copied and cut: then a host tensor of a part's size is made from the cut
+        # micro-batch (RAFT's noise, torch.randn(*image1.shape) copied to the device), not a part.
+        self._whole = False
         #: Tensors (and length lists) cut so far: none in a step means its batch was not found.
         self.cuts = 0
 
@@ -352,8 +355,10 @@ class _MicroBatchCut(TorchFunctionMode):
         if self._in_model or func not in _CUT_AT:  # the model's operators: as fast as can be
             return out
         if func in _TO_DEVICE and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
-            if self._cut(out, sizes=self._joined) is not out:  # copied whole to the device: copy the part instead
+            if self._cut(out, sizes=self.sizes if self._whole else self._joined) is not out:
+                # copied whole to the device: copy the part instead
                 self._copied = True
+                self._whole = self._whole or out.shape[0] in self.sizes
                 return self._made(func(self._unpadded(args[0]), *args[1:], **kwargs))
         elif func in _FACTORIES and not self._copied:
             part = self._cut(out)

@@ -1175,12 +1175,27 @@ def test_micro_batch_cut_takes_the_parts_a_script_joins_into_the_batch():
         chosen, rejected = (torch.ones(8, 32, dtype=torch.long).to("meta") for _ in range(2))
         assert chosen.shape == rejected.shape == (4, 32)
         forward(torch.cat([chosen, rejected]))  # 8: not cut again
-        assert torch.ones(16, 32).to("meta").shape == (8, 32)  # the batch whole: cut as before
         assert torch.ones(5, 32).to("meta").shape == (5, 32)  # no part of the batch
         assert torch.ones(4, 32).to("meta").shape == (2, 32)  # a quarter: a part too (four views)
+        assert torch.ones(16, 32).to("meta").shape == (8, 32)  # the batch whole: cut as before
     assert seen == [(8, 32)]
     assert _MicroBatchCut(4, batch=16)._joined == {16, 8, 4}
     assert _MicroBatchCut(8, batch=16)._joined == {16, 8}
+
+
+def test_micro_batch_cut_leaves_host_data_made_from_the_cut_batch_alone():
+    """RAFT adds noise made on the host at its images' shape: after the images (16) are copied
+    and cut to 8, the noise of 8 is the micro-batch's own, not a half of the batch to cut again."""
+    import torch
+
+    from memprof.script_advice import _MicroBatchCut
+
+    with _MicroBatchCut(2, batch=16):
+        image = torch.ones(16, 3, 8, 8).to("meta")
+        noise = torch.randn(*image.shape).to("meta")
+        assert image.shape == noise.shape == (8, 3, 8, 8)
+        assert (image + noise).shape == (8, 3, 8, 8)
+        assert torch.ones(16).to("meta").shape == (8,)  # the batch whole: still cut
 
 
 def test_micro_batch_cut_leaves_a_collators_work_on_the_host_alone():
