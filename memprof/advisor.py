@@ -366,8 +366,6 @@ def _plan_counters(w: Workload, allocator, steps: int, optimizer_steps: "_Optimi
     repeat it. With ``optimizer_steps`` the first step's optimizer step may
     be replayed from another plan's; a step then not derivable returns None
     (its optimizer holds no state to run a second step with)."""
-    from .simulate import replay_step
-
     allocator.reset_peak()
     allocator.events, start = [], allocator.mark()
     try:
@@ -376,7 +374,7 @@ def _plan_counters(w: Workload, allocator, steps: int, optimizer_steps: "_Optimi
     finally:
         events, allocator.events = allocator.events, None
     kept = replayed[0]
-    derived = replay_step(allocator.model, events) if steps > 1 else None
+    derived = allocator.replay_step(events) if steps > 1 else None
     if steps == 1:
         derived = allocator.since(start)
     for h in kept or ():  # the replayed optimizer's state, which no tensor holds

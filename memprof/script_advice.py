@@ -1066,8 +1066,6 @@ class _Schedule:
                     self.failed[name] = f"{type(e).__name__}: {e}"
 
     def on_step(self, tracker) -> bool:
-        from .simulate import replay_step
-
         # A step's shapes: its forwards' in order (a model called for positives, then for negatives, is one)
         if self._step_shapes:
             self.shapes.add(self._step_shapes[0] if len(self._step_shapes) == 1 else tuple(self._step_shapes))
@@ -1118,7 +1116,7 @@ class _Schedule:
             # Without an optimizer a step ends where the next forward begins, whose call PyTorch
             # made before the next plan was applied: the plan's first step is not its own to derive from.
             if self._done == 1 and self.steps > 1 and key and key not in self.sampled and self.opt is not None:
-                derived = replay_step(allocator.model, events)
+                derived = allocator.replay_step(events)
             since = self._busy_at[1] if self._busy_at[0] is allocator else 0.0  # a new run: a new device
             self._busy_at = (allocator, allocator.busy)
             self.busy[key] = derived.busy if derived is not None else allocator.busy - since

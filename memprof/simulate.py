@@ -400,6 +400,10 @@ class SimulatedAllocator(TorchDispatchMode):
             self.free(self._deferred.pop(0))
         return result
 
+    def replay_step(self, events: list[tuple]) -> StepCounters | None:
+        """:func:`replay_step` on this allocator's model."""
+        return self._model_call(replay_step, self.model, events)
+
     def _malloc(self, nbytes: int) -> int:
         return self._model_call(self.model.malloc, nbytes, event=lambda handle: ("m", handle, nbytes))
 

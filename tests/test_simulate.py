@@ -1007,6 +1007,17 @@ def test_block_freed_by_a_garbage_collection_inside_another_free(monkeypatch):
         assert collected and collected[0] > 0
         allocator.model.check_invariants()
         assert allocator.model.allocated == 4 * 3 * MiB
+        # and inside a step replayed from its events: the collected block is freed after it
+        Cycle(blocks[4])
+        blocks[4] = None
+        collected.clear()
+        monkeypatch.setattr(caching, "insort", insort)
+        counters = allocator.replay_step([("m", 1, 3 * MiB), ("m", 2, 3 * MiB), ("f", 2), ("f", 1)])
+        monkeypatch.undo()
+        assert collected and collected[0] > 0
+        assert counters.peak_allocated == (4 + 2) * 3 * MiB  # blocks 0, 1, 4 (freed after) and 5, and the two
+        allocator.model.check_invariants()
+        assert allocator.model.allocated == 3 * 3 * MiB
         blocks = None
         allocator.model.check_invariants()
         assert allocator.model.allocated == 0
