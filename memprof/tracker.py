@@ -460,6 +460,13 @@ class Tracker:
         finally:
             self._close()
 
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()`` between two steps, the next step's peaks counted from
+        the emptied cache: the counters were reset where the last step ended, so its peak
+        reserved would keep what the cache held then (an evaluation's blocks)."""
+        torch.cuda.empty_cache()
+        self._counters.reset_peak()
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Between two steps, let other work run unseen by this tracker: a
@@ -636,6 +643,8 @@ class Tracker:
         self._ledger.open_journal()
         self._fwd: list[_Span] = []
         self._bwd: dict[str, _Span] = {}
+        # Modules whose backward's end no hook sees: no input needs grad (given detached, or ids).
+        self._unended: set[str] = set()
         # Whether the open forwards run inside backward: a checkpointed
         # module's recomputation, which is neither a new forward nor the loss.
         self._recompute = False
@@ -1222,7 +1231,10 @@ class Tracker:
             if not span.ends and kwargs:
                 # Inputs passed by keyword (Hugging Face's layers: self_attn(hidden_states=...)), which
                 # the process-wide pre-hook is not given: without them its backward never ended.
-                _on_first_grad(kwargs, lambda g, n=name: self._on_backward_end(n), self._step_handles)
+                span.ends = bool(_on_first_grad(kwargs, lambda g, n=name: self._on_backward_end(n),
+                                                self._step_handles))
+            if not span.ends:
+                self._unended.add(name)
             # An output that is one of the inputs (nn.Identity, a dropout that does nothing) passed
             # through: backward reaches it where the module's backward would end, and no further
             # backward of the module's begins there (its hook would fire after the end's and open
@@ -1522,6 +1534,10 @@ class Tracker:
             # FSDP does): the end of backward is then a sample, not a guess.
             self._bwd_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_done)
+        # A module whose end no hook sees is done where a module outside it begins its backward
+        # (RAFT's update block, given coords.detach(): else every later sample was named after it).
+        for other in [n for n in self._bwd if n in self._unended and not name.startswith(n + ".")]:
+            self._close_backward(other)
         alloc = self._sample(*self._backward_phase([*self._bwd, name]), ("bwd_start", name))
         self._bwd[name] = _Span(name, alloc)
 
@@ -1552,6 +1568,7 @@ class Tracker:
             for name, span in self._bwd.items():
                 self._bwd_delta[name] = max(self._bwd_delta[name], max(span.high, alloc) - span.start)
         self._bwd.clear()
+        self._unended.clear()
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
         g = p.grad

@@ -673,6 +673,41 @@ def test_chains_hooks_the_model_pushes_inside_its_forward():
     assert saved["Net.a"] == saved["Net.b"] == MiB
 
 
+def test_a_module_given_a_detached_input_ends_its_backward_where_another_begins():
+    """RAFT's update block takes ``coords1.detach()``: no gradient reaches its inputs, so the hook
+    where its backward ends never fires, and every later sample (the encoder's backward) was named
+    after the block. Its backward ends where a module outside it begins one."""
+
+    class Refine(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.update = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+
+        def forward(self, x):
+            return self.update(x.detach())
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.refine, self.head = nn.Linear(256, 256), Refine(), nn.Linear(256, 256)
+
+        def forward(self, x):
+            h = self.encoder(x)
+            return self.head(h + self.refine(h))
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.track(model) as prof:
+        for _ in range(3):
+            model(torch.randn(256, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    timeline = prof.report().timeline
+    phases = [p for p in timeline[timeline.step == timeline.step.max()].phase if p.startswith("backward")]
+    assert list(dict.fromkeys(phases))[-1] == "backward Net.encoder"
+    assert "backward Net.refine.update.2" in phases
+
+
 def test_backward_of_modules_called_by_keyword_ends():
     """Hugging Face's layers call ``self_attn(hidden_states=...)``: the process-wide pre-hook is
     given no arguments, so backward's reaching those inputs was not hooked and the attention's
