@@ -55,7 +55,7 @@ from .hooks import Shared
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import ScriptError, observe_script, raised
-from .tracker import _wrapped
+from .tracker import _wrapped, active_tracker
 from .simulate import _HALF
 from .workload import Workload
 from .units import fmt_bytes
@@ -1026,13 +1026,14 @@ class _Schedule:
         self._emptied_steps = 0
         self.started = False  # whether the model's forward ran since the current plan was applied
         self._advanced: set[str] = set()
-        self._evaluated = True  # whether the script's step before had an evaluation (the first: taken as is)
+        self._evaluated = False  # whether the script's step before had an evaluation
         #: The shapes (but the first dimension) of the model's training inputs seen while plans ran.
         self.shapes: set[tuple] = set()
         self._step_shapes: list[tuple] = []  # of the step in progress, one per forward
         #: The highest peak allocated of a step with an evaluation in it, and the plan it ran with (allocated:
         #: the reserved high-water mark a step reads may be from before the cache was emptied for the plan).
         self.evaluation_peak: tuple[int, str] = (0, "")
+        self.evaluations = 0  # steps with an evaluation in them, left out
 
     def pending(self) -> list[str]:
         return [n for n in self.plans if n not in self.failed and n not in self.skipped
@@ -1044,6 +1045,10 @@ class _Schedule:
 
         self.model, self.opt = model, opt
         self._fresh = True  # a run of the script begins
+        # A first step with an evaluation in it (a validation at step 0) is no more the step's than
+        # a later one: the next is taken, the evaluation's cache emptied (one where every step
+        # evaluates is taken as it is from the second on).
+        self._evaluated = False
         self.units = fsdp_units(model)
         if self.facts is None:  # (again: tracking restarted with another optimizer of the model's)
             if self._watch is not None:
@@ -1077,13 +1082,15 @@ class _Schedule:
             # gradients every N steps): its peak would be the evaluation's as much as the plan's.
             # The next step is taken instead; a script that calls its model so every step (a DQN
             # acting, a validation batch per step) has them taken as they are.
+            self.evaluations += 1
             allocated = int(tracker.report().steps["peak_allocated"].iloc[-1])
             if self._current is not None and allocated > self.evaluation_peak[0]:
                 self.evaluation_peak = (allocated, self._current)
-            if self._current is not None and self.keys[self._current]:
+            if self._current is not None:
                 # What the evaluation cached is not the plan's step (an evaluation of 4 x the batch left
                 # accum8 reserving 5.49 GiB where its step needs 2.64): said apart, as evaluation_peak.
-                torch.cuda.empty_cache()
+                # Nor the step's as it is, or every plan would seem to save the evaluation's cache.
+                tracker.empty_cache()
             allocator = self._allocator()
             if allocator is not None:
                 allocator.events = []
@@ -1135,7 +1142,7 @@ class _Schedule:
             # reserved carries the difference (a Whisper fine-tune: 244 MiB; its plans measured on
             # the H200 within -5 to +3 %, benchmarks/results/corpus-unseen-9-h200.json).
             self._emptied, self._emptied_steps = int(self.baseline.steps["peak_reserved"].iloc[-1]), 0
-            torch.cuda.empty_cache()
+            tracker.empty_cache()
             if allocator is not None:
                 allocator.events = []
             return True
@@ -1225,7 +1232,8 @@ class _Schedule:
             # (the script as it is, a run with the plan from the start would not have it; the
             # plan's measurement empties it too: _measure_plan). The step as it is keeps it.
             if not self._fresh or self.keys[name]:
-                torch.cuda.empty_cache()
+                tracker = active_tracker()  # none before the run's first tracked step
+                (tracker.empty_cache if tracker is not None else torch.cuda.empty_cache)()
             self._fresh = False
             allocator = self._allocator()
             if allocator is not None:
@@ -1312,6 +1320,8 @@ def advise_script(
             if key:  # a plan's step ran on an emptied cache; a run of it from its start would not (on_step)
                 pred = replace(pred, peak_reserved=pred.peak_reserved + schedule.cache_excess)
             preds[name] = _adjusted(pred, strategies, baseline, gpu)
+    if "baseline" not in preds:  # every plan is ranked against it
+        raise ScriptError(f"memprof could not take the script's step as it is: {schedule.failed.get('baseline')}")
     _coupled_batches(built, preds, schedule.skipped)
     table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin)
     return ScriptAdvice(nbytes, gpu, world_size, table, baseline, plans, script=str(path), simulated=simulate,
@@ -1351,7 +1361,8 @@ def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> 
         before, ended = len(schedule.pending()), None
         try:
             report = observe_script(
-                path, args, steps=schedule.steps * before + 1, warmup=1, timeout=timeout,
+                # once evaluations were seen, a step more per plan for one with an evaluation in it
+                path, args, steps=(schedule.steps + bool(schedule.evaluations)) * before + 1, warmup=1, timeout=timeout,
                 on_model=schedule.on_model, on_step=schedule.on_step, target=gpu.name if simulate else None,
                 oom=False,  # a plan's full size is what is ranked, fitting or not
             )

@@ -655,6 +655,33 @@ def test_an_error_before_a_plans_first_forward_fails_that_plan_only(tmp_path):
                                                   "offload_states", "bf16+offload_states"}
 
 
+def test_a_fault_after_the_step_as_it_is_is_said_not_a_key_error(tmp_path, monkeypatch):
+    """memprof's own fault between the step as it is and the plans (here: emptying the cache)
+    failed the step as it is after its report was taken; ranking then crashed with KeyError."""
+    from memprof.advisor import default_plans
+    from memprof.runner import ScriptError
+    from memprof.script_advice import advise_script
+    from memprof.tracker import Tracker
+
+    script = tmp_path / "train.py"
+    script.write_text("\n".join([
+        "import torch",
+        "model = torch.nn.Linear(64, 64).cuda()",
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
+        "for step in range(12):",
+        "    model(torch.randn(32, 64, device='cuda')).square().mean().backward()",
+        "    opt.step(); opt.zero_grad()",
+    ]) + "\n")
+
+    def broken(self):
+        raise RuntimeError("a fault of memprof's own")
+
+    monkeypatch.setattr(Tracker, "empty_cache", broken)
+    plans = {k: v for k, v in default_plans().items() if k in ("baseline", "bf16")}
+    with pytest.raises(ScriptError, match="could not take the script's step as it is: .*a fault of memprof's own"):
+        advise_script(str(script), budget="24GiB", target="h200", plans=plans, progress=False)
+
+
 WRAPPED = """\
 import functools
 import torch, torch.nn as nn
@@ -996,6 +1023,38 @@ def test_an_evaluation_between_steps_is_no_plans_step(tmp_path):
     _, r = advise_source(tmp_path, EVALUATING.format(every=3), budget="100MiB")
     said = r.stdout + r.stderr
     assert "an evaluation between the script's training steps" in said and "above the budget" in said, said
+
+
+VALIDATING_AFTER_THE_STEP = """\
+import torch
+import torch.nn.functional as F
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+opt = torch.optim.AdamW(model.parameters())
+for step in range(7):
+    x = torch.randn(64, 1024, device="cuda")
+    F.mse_loss(model(x), x).backward()
+    opt.step(); opt.zero_grad()
+    if {validate} and step % 3 == 0:  # at the first step too, as nanoGPT and the Reformer's enwik8 script do
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(65536, 1024, device="cuda")).sum().item()
+        model.train()
+"""
+
+
+def test_a_validation_after_the_first_step_is_in_no_plans_peak(tmp_path):
+    """A validation of 1024 x the batch after steps 0, 3 and 6: in the first tracked step of each
+    run of the script. That step was the step as it is (870 MiB reserved against 102, and state
+    offload, made from its samples, as much above), and the first of a plan in a later run;
+    and where the cache was emptied after a validation the next step's peak reserved kept it."""
+    reserved, evaluation = [], []
+    for validate in (False, True):
+        data, _ = advise_source(tmp_path, VALIDATING_AFTER_THE_STEP.format(validate=validate))
+        reserved.append({p["plan"]: p["peak_reserved"] for p in data["plans"]})
+        evaluation.append(data["evaluation_peak_allocated_bytes"])
+    plans = ["baseline", "accum2", "accum4", "accum8", "offload_act", "offload_states", "bf16", "bf16+offload_states"]
+    assert [reserved[1][p] for p in plans] == [reserved[0][p] for p in plans]
+    assert evaluation[0] == 0 and evaluation[1] > 512 * 2**20  # two 256 MiB activations, said apart
 
 
 def test_another_optimizer_over_the_models_parameters_is_tracked_with_it(tmp_path):
