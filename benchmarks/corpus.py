@@ -174,6 +174,8 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "rwkv-tbptt": (".", "rwkv_tbptt.py", ["--steps", "10"], ()),
     "lightning-vit-callbacks": (".", "lightning_vit_callbacks.py", ["--steps", "10"], ("lightning",)),
     "video-3d-cudnn": (".", "video_3d_cudnn.py", ["--steps", "10"], ()),
+    "raft-flow": (".", "raft_flow.py", ["--steps", "10"], ()),
+    "reformer-reversible": (".", "reformer_reversible.py", ["--steps", "10"], ()),
 }
 
 

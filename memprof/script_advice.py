@@ -531,6 +531,9 @@ class ScriptFacts:
     #: Optimizers that step inside backward, as each gradient is made (torchtune's optimizer in
     #: backward: one per parameter, stepped by post-accumulate-grad hooks); 0 where none does.
     in_backward: int = 0
+    #: Repeated blocks (:func:`find_blocks`) whose forward the step never called (a reversible
+    #: model's irreversible twin of its layers): checkpointing them changes nothing.
+    idle_blocks: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, **facts: Any) -> "ScriptFacts":
@@ -804,6 +807,11 @@ class _Watch:
         counted = max(counts, key=lambda n: (counts.count(n), n)) if counts else 0
         self.facts.micro_batches = max(counted or (self.backwards or self.forwards) // max(self.steps, 1), 1)
         self.facts.checkpointed = self._checkpointed()
+        model = self._model()
+        if model is not None and self.ran:
+            from memprof.strategies import find_blocks
+
+            self.facts.idle_blocks = [n for n, _ in find_blocks(model) if n not in self.ran]
         return self.facts
 
     def _checkpointed(self) -> list[str]:
@@ -830,7 +838,8 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
     # Blocks the optimizer trains: a frozen encoder's (Whisper's with freeze_encoder()) keeps
     # nothing for a backward that never reaches it, so it never recomputes either. Hugging Face's
     # switch, when on, checkpoints every block that can be.
-    blocks = [n for n, m in find_blocks(model) if any(p.requires_grad for p in m.parameters())]
+    blocks = [n for n, m in find_blocks(model)
+              if any(p.requires_grad for p in m.parameters()) and n not in facts.idle_blocks]
     covered = getattr(model, "is_gradient_checkpointing", False) is True or (
         bool(blocks) and all(any(b == c or b.startswith(c + ".") for c in facts.checkpointed) for b in blocks))
     fsdp = _fsdp(model)

@@ -45,7 +45,7 @@ def check_schema(data: dict) -> None:
     assert isinstance(data["code_change"], list) and all(isinstance(c, str) for c in data["code_change"])
     assert data["script_does"] is None or set(data["script_does"]) == {
         "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch",
-        "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing", "carried_state"}
+        "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing", "carried_state", "idle_blocks"}
     assert isinstance(data["cache_excess_bytes"], int) and data["cache_excess_bytes"] >= 0
     assert isinstance(data["evaluation_peak_allocated_bytes"], int) and data["evaluation_peak_allocated_bytes"] >= 0
     assert isinstance(data["varying_batch_shapes"], list)

@@ -126,6 +126,9 @@ SMALL = {
     "lightning_vit_callbacks.py": ["--batch-size", "4", "--image-size", "32", "--embed-dim", "64", "--depth", "2",
                                    "--num-heads", "4", "--num-classes", "10"],
     "video_3d_cudnn.py": ["--batch-size", "2", "--clip-len", "4", "--crop", "32", "--num-classes", "10", "--workers", "0"],
+    "raft_flow.py": ["--batch_size", "4", "--image_size", "64", "96", "--iters", "3"],
+    "reformer_reversible.py": ["--batch_size", "4", "--seq_len", "256", "--dim", "64", "--depth", "2", "--validate_every",
+                               "3"],
 }
 
 
@@ -241,7 +244,8 @@ def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
 @pytest.mark.parametrize("name", ["nanogpt-fp16-scaler", "gqa-fp32", "hf-trainer", "lightning", "vision-reference",
                                   "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier", "fsdp2-llama",
                                   "prefetch-classifier", "dcgan", "conformer-asr", "hf-detr-matcher", "wav2vec2-ctc",
-                                  "dino-multicrop", "kge-sparse-adam", "rwkv-tbptt"])
+                                  "dino-multicrop", "kge-sparse-adam", "rwkv-tbptt", "raft-flow",
+                                  "reformer-reversible"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -266,6 +270,12 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert {"accum2", "ckpt"} <= plans, advice["failed"]
     if name == "rwkv-tbptt":  # its recurrent state, detached by the loop, is passed back: not cut
         assert "back to its next forward" in advice["skipped"]["accum2"] and not advice["failed"]
+    if name == "raft-flow":  # its noise, made on the host at the cut images' shape, is not cut again
+        assert {"accum2", "ckpt+accum2"} <= plans, advice["failed"]
+    if name == "reformer-reversible":  # a validation after step 0 and every 3: no plan's step
+        assert advice["evaluation_peak_allocated_bytes"] > 0 and {"accum2", "bf16+accum2"} <= plans
+        # its reversible layers recompute in backward; their irreversible twins never run
+        assert does["idle_blocks"] == ["net.net.reformer.layers.irrev_blocks.0", "net.net.reformer.layers.irrev_blocks.1"]
     if name == "kge-sparse-adam":  # FSDP2 reduces no sparse gradient
         assert "makes sparse gradients (sparse=True)" in advice["failed"]["offload_states"]
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
