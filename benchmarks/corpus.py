@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -263,6 +264,40 @@ def compare(args: argparse.Namespace) -> None:
     print(json.dumps(summary))
 
 
+def recheck(args: argparse.Namespace) -> None:
+    """A whole-corpus simulation against each entry's latest measurement on the GPU: the
+    ``measured_peak_allocated`` of the rows of an earlier recheck (``--before``), else of
+    ``compare``'s outputs (``--measured``), and whether each gives the earlier run's bytes."""
+    simulated = Path(args.simulated)
+    before = {r["name"]: r for r in json.loads(Path(args.before).read_text())["rows"]}
+    measured = {}
+    for path in args.measured:
+        for r in json.loads(Path(path).read_text())["rows"]:
+            if r.get("measured"):
+                measured[r["name"]] = (r["measured"]["peak_allocated"], path)
+    rows = []
+    for name in CORPUS:
+        s, b = last_step(simulated / f"{name}.json"), before.get(name, {})
+        m, where = ((b["measured_peak_allocated"], b["measured_in"]) if b.get("measured_peak_allocated")
+                    else measured.get(name, (None, None)))
+        rows.append({"name": name, "rc": 0 if s else 1,
+                     "simulated_peak_allocated": s and s["peak_allocated"], "simulated_peak_reserved": s and s["peak_reserved"],
+                     "measured_peak_allocated": m, "measured_in": where,
+                     "simulated_before": b.get("simulated_peak_allocated"),
+                     "error": s["peak_allocated"] / m - 1 if s and m else None})
+    errs = sorted(abs(r["error"]) for r in rows if r["error"] is not None)
+    summary = {"entries": len(rows), "ran": sum(r["rc"] == 0 for r in rows), "measured": len(errs),
+               "median_abs_error": statistics.median(errs) if errs else None,
+               "within_1pct": sum(e <= 0.01 for e in errs), "within_2pct": sum(e <= 0.02 for e in errs),
+               "same_bytes_as_before": sum(r["simulated_peak_allocated"] == r["simulated_before"]
+                                           for r in rows if r["simulated_before"])}
+    Path(args.out).write_text(json.dumps({"commands": [" ".join(sys.argv)], "summary": summary, "rows": rows}, indent=1))
+    print(json.dumps(summary))
+    for r in rows:
+        if r["rc"] or (r["simulated_before"] and r["simulated_peak_allocated"] != r["simulated_before"]):
+            print(f"{r['name']}: rc {r['rc']}, {r['simulated_before']} -> {r['simulated_peak_allocated']} B")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -281,9 +316,16 @@ def main() -> None:
     q.add_argument("measured")
     q.add_argument("simulated")
     q.add_argument("--out", default="benchmarks/results")
+    q = sub.add_parser("recheck", help="a whole-corpus simulation against the latest measurements")
+    q.add_argument("simulated")
+    q.add_argument("--before", required=True, help="an earlier recheck's JSON (its rows' measurements)")
+    q.add_argument("--measured", nargs="*", default=[], help="compare's corpus.json of entries measured since")
+    q.add_argument("--out", required=True)
     args = p.parse_args()
     if args.cmd == "compare":
         compare(args)
+    elif args.cmd == "recheck":
+        recheck(args)
     else:
         run_all(args, args.target if args.cmd == "simulate" else None)
 
