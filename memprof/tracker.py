@@ -1318,6 +1318,10 @@ class Tracker:
             t = tracker()
             if t is not None and not t._fwd and not t._recompute and t._hooks_innermost():
                 t._pop_saved_hooks()
+            if t is not None and torch._C._current_graph_task_id() != -1 and (args or "t_outputs" in kwargs):
+                # A backward inside backward (reentrant checkpointing, reversible layers): its graph,
+                # made inside the outer one's backward, has none of this step's node hooks.
+                t._hook_nested(args[0] if args else kwargs["t_outputs"])
             return own(*args, **kwargs)
 
         for module in (graph, autograd):
@@ -1455,8 +1459,14 @@ class Tracker:
             self._saved_over_step[name] += entry.nbytes
 
     # -- hooks: backward -------------------------------------------------------
-    def _hook_graph(self, outputs: Iterable[torch.Tensor]) -> None:
-        """Hook every autograd node of this forward to name the gradients it produces."""
+    def _hook_nested(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> None:
+        """Hook the graph a backward inside backward runs through, every node of it."""
+        if self._profiled and self._active and not self._done:
+            self._hook_graph([outputs] if isinstance(outputs, torch.Tensor) else outputs, nested=True)
+
+    def _hook_graph(self, outputs: Iterable[torch.Tensor], nested: bool = False) -> None:
+        """Hook every autograd node of this forward (or of a graph made in backward, ``nested``)
+        to name the gradients it produces."""
         # One bound method for every node: each node keeps its hook until the
         # graph dies, and thousands of objects living that long make Python's
         # garbage collector scan the whole heap more often.
@@ -1464,10 +1474,12 @@ class Tracker:
         todo = list({t.grad_fn for t in outputs if t.grad_fn is not None})
         if not todo:
             return
-        top = self._graph_top = max(n._sequence_nr() for n in todo)
-        # A cheap step hooks the nodes backward runs before its bracket closes
-        # (see _Plan), with a margin: a node hooked needlessly only costs its call.
-        floor = None if self._full else top - (self._plan.depth * 5 // 4 + 32)
+        floor = None
+        if not nested:
+            top = self._graph_top = max(n._sequence_nr() for n in todo)
+            # A cheap step hooks the nodes backward runs before its bracket closes
+            # (see _Plan), with a margin: a node hooked needlessly only costs its call.
+            floor = None if self._full else top - (self._plan.depth * 5 // 4 + 32)
         seen = set(todo)
         while todo:
             node = todo.pop()

@@ -1021,3 +1021,48 @@ def test_block_freed_by_a_garbage_collection_inside_another_free(monkeypatch):
         blocks = None
         allocator.model.check_invariants()
         assert allocator.model.allocated == 0
+
+
+def test_a_backward_inside_backward_names_its_gradients():
+    """Reentrant checkpointing (and reversible layers) run ``torch.autograd.backward`` inside
+    backward, through a graph recomputed there, which the step's node hooks never saw: every
+    gradient it made was a temporary. At its peak a block's backward holds the gradient coming
+    in (4096 x 512 fp32, 8 MiB), and those of its ReLU's and first Linear's outputs (4096 x
+    2048, 32 MiB each): 72 MiB of activation gradients, and no temporaries."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(512, 2048), nn.Linear(2048, 512)
+
+        def forward(self, x):
+            return x + self.b(torch.relu(self.a(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(2)])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=True)
+            return x
+
+    def setup():
+        model = Net().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4096, 512, device="cuda", requires_grad=True)
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        return model, opt, step
+
+    tl = memprof.simulate(setup, target="h100", steps=3).timeline
+    last = tl[tl["step"] == tl["step"].max()]
+    backward = last[last["phase"] == "backward Net"]
+    assert backward["activation_gradients"].max() == (8 + 32 + 32) * MiB
+    assert (backward["temporaries"] <= 32 * MiB).all()  # autograd's cuBLAS workspace at most
