@@ -1085,7 +1085,7 @@ class _Schedule:
             self.shapes.add(self._step_shapes[0] if len(self._step_shapes) == 1 else tuple(self._step_shapes))
             self._step_shapes = []
 
-        before, self._evaluated = self._evaluated, tracker.evaluated
+        before, self._evaluated = self._evaluated, tracker.evaluated or tracker.others_inferred
         if self._evaluated and not before:
             # An evaluation ran in this step, not in the one before (the model called without
             # gradients every N steps): its peak would be the evaluation's as much as the plan's.
@@ -1093,7 +1093,7 @@ class _Schedule:
             # acting, a validation batch per step) has them taken as they are.
             self.evaluations += 1
             allocated = int(tracker.report().steps["peak_allocated"].iloc[-1])
-            if self._current is not None and allocated > self.evaluation_peak[0]:
+            if self._current is not None and allocated > self.evaluation_peak[0] and tracker.evaluated:
                 self.evaluation_peak = (allocated, self._current)
             if self._current is not None:
                 # What the evaluation cached is not the plan's step (an evaluation of 4 x the batch left

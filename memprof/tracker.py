@@ -359,6 +359,12 @@ class Tracker:
         self._evaluations: list[tuple[Any, Any]] = []
         #: Whether the step that ended last had an evaluation in it (see _evaluations).
         self.evaluated = False
+        #: Whether it ran another model (not the tracked one) without gradients in eval mode, or
+        #: through ``torch.optim.swa_utils.update_bn`` (its batch norms' momentum None): an averaged
+        #: model's validation or statistics pass every few steps; a distillation teacher every step.
+        #: Its time stays the step's.
+        self.others_inferred = False
+        self._others_inferring = False
         self._evaluating: Any = None
         self._no_grad_call: weakref.ref | None = None  # the module called without gradients, running (_on_pre)
         # Bounded, so that a run of any length costs the same host memory.
@@ -592,6 +598,7 @@ class Tracker:
             self._start_profile()
         self._t0 = self._now()
         self._evaluations = []
+        self._others_inferring = False
 
     def _now(self) -> Any:
         # A profiled step's time is its kernels', not how far ahead of them the
@@ -617,6 +624,7 @@ class Tracker:
         # Events (a profiled step on a GPU) are resolved later; evaluations in the step are left out.
         spans = [(self._t0, end), *self._evaluations]
         self.evaluated = bool(self._evaluations)
+        self.others_inferred = self._others_inferring
         seconds = _seconds(spans) if isinstance(end, (int, float)) else spans
         self._resolve_time()
         if self._profiled:
@@ -1119,6 +1127,10 @@ class Tracker:
         if name is None:  # a module outside the tracked model: part of its caller
             if module not in self._outside:
                 self._adopt_other(module)
+            if (not self._fwd and not torch.is_grad_enabled() and module in self._others
+                    and (not module.training or any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                                    and m.momentum is None for m in module.modules()))):
+                self._others_inferring = True
             return
         outer = not self._fwd
         if outer and not torch.is_grad_enabled() and torch._C._current_autograd_node() is None:

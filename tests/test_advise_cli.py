@@ -655,6 +655,51 @@ def test_an_error_before_a_plans_first_forward_fails_that_plan_only(tmp_path):
                                                   "offload_states", "bf16+offload_states"}
 
 
+AVERAGED = """\
+import sys, torch, torch.nn as nn
+from torch.optim.swa_utils import AveragedModel, update_bn
+root = "--root" in sys.argv
+model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                      nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+swa = AveragedModel(model)
+loader = [(torch.randn(256, 3, 32, 32), torch.randint(0, 10, (256,))) for _ in range(2)]
+for step in range(8):
+    x, y = torch.randn(128, 3, 32, 32, device="cuda"), torch.randint(0, 10, (128,), device="cuda")
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    swa.update_parameters(model)
+    if step % 2 == 1:
+        if root:  # the same pass over the model itself: an evaluation
+            model.eval()
+            with torch.no_grad():
+                for xb, _ in loader:
+                    model(xb.cuda())
+            model.train()
+        else:  # SWA's batch-norm statistics: train mode, no gradients, momentum None
+            update_bn(loader, swa, device="cuda")
+"""
+
+
+def test_an_averaged_models_statistics_pass_is_no_plans_step(tmp_path):
+    """torch.optim.swa_utils.update_bn runs the averaged model (another model) over 256-sample
+    batches every second step: that step was a plan's, so accumulation plans peaked at the pass's
+    activations (accum8 324 MiB instead of 89) and the step's time held it. Such a step is left
+    out as an evaluation of the model itself is: the plans are those of the script without it."""
+    from memprof.advisor import default_plans
+    from memprof.script_advice import advise_script
+
+    script = tmp_path / "swa.py"
+    script.write_text(AVERAGED)
+    plans = {k: v for k, v in default_plans().items() if k in ("baseline", "bf16", "accum8")}
+    tables = [advise_script(str(script), args, budget="24GiB", target="h200", plans=plans, progress=False).table
+              for args in ([], ["--root"])]
+    columns = ["peak_allocated", "peak_reserved", "seconds"]
+    assert tables[0][columns].to_dict() == tables[1][columns].to_dict()
+    assert tables[0].loc["accum8", "peak_allocated"] < tables[0].loc["baseline", "peak_allocated"] / 2
+
+
 def test_a_fault_after_the_step_as_it_is_is_said_not_a_key_error(tmp_path, monkeypatch):
     """memprof's own fault between the step as it is and the plans (here: emptying the cache)
     failed the step as it is after its report was taken; ranking then crashed with KeyError."""
