@@ -1042,7 +1042,9 @@ class _Schedule:
         #: The highest peak allocated of a step with an evaluation in it, and the plan it ran with (allocated:
         #: the reserved high-water mark a step reads may be from before the cache was emptied for the plan).
         self.evaluation_peak: tuple[int, str] = (0, "")
-        self.evaluations = 0  # steps with an evaluation in them, left out
+        self.left_out = 0  # steps left out: with an evaluation in them, or a short batch
+        self._step_rows: list[int | None] = []  # of the step in progress: each forward's samples
+        self._short = 0  # the current plan's steps left out for a short batch
 
     def pending(self) -> list[str]:
         return [n for n in self.plans if n not in self.failed and n not in self.skipped
@@ -1085,13 +1087,13 @@ class _Schedule:
             self.shapes.add(self._step_shapes[0] if len(self._step_shapes) == 1 else tuple(self._step_shapes))
             self._step_shapes = []
 
+        rows, self._step_rows = self._step_rows[:1], []
         before, self._evaluated = self._evaluated, tracker.evaluated or tracker.others_inferred
         if self._evaluated and not before:
             # An evaluation ran in this step, not in the one before (the model called without
             # gradients every N steps): its peak would be the evaluation's as much as the plan's.
             # The next step is taken instead; a script that calls its model so every step (a DQN
             # acting, a validation batch per step) has them taken as they are.
-            self.evaluations += 1
             allocated = int(tracker.report().steps["peak_allocated"].iloc[-1])
             if self._current is not None and allocated > self.evaluation_peak[0] and tracker.evaluated:
                 self.evaluation_peak = (allocated, self._current)
@@ -1100,11 +1102,12 @@ class _Schedule:
                 # accum8 reserving 5.49 GiB where its step needs 2.64): said apart, as evaluation_peak.
                 # Nor the step's as it is, or every plan would seem to save the evaluation's cache.
                 tracker.empty_cache()
-            allocator = self._allocator()
-            if allocator is not None:
-                allocator.events = []
-                self._busy_at = (allocator, allocator.busy)
-            return True
+            return self._leave_out()
+        if rows and self._current is not None and self._short < 3 and self._short_batch(rows[0]):
+            # An epoch's last batch, short of the batch size (a DataLoader's drop_last=False): the
+            # plan's step is the next one (accumulation plans failed on it, finding nothing to cut).
+            self._short += 1
+            return self._leave_out()
         if self._emptied is not None:  # the script's steps on an emptied cache (below): as many as a plan's
             self._emptied_steps += 1
             if self._emptied_steps < self.steps:
@@ -1170,6 +1173,7 @@ class _Schedule:
             self._emptied = None
         self._stack.close()
         self._step_shapes = []  # of a step the run's end cut short: no step's (it would join the next run's first)
+        self._step_rows = []
         if self._watch is not None:
             self._watch.close()
             self._watch = None
@@ -1231,7 +1235,7 @@ class _Schedule:
                 self.failed[name] = f"{type(exc).__name__}: {exc}"
                 self._advance(name)
                 continue
-            self._current, self._done, self.started = name, 0, False
+            self._current, self._done, self.started, self._short = name, 0, False, 0
             # (copies of the model share it)
             handle = self.model.register_forward_pre_hook(Shared(self._on_forward), with_kwargs=True)
             self._stack.callback(handle.remove)
@@ -1250,9 +1254,28 @@ class _Schedule:
             return True
         return False
 
+    def _leave_out(self) -> bool:
+        """Take the next step instead of the one that ended."""
+        self.left_out += 1
+        allocator = self._allocator()
+        if allocator is not None:
+            allocator.events = []
+            self._busy_at = (allocator, allocator.busy)
+        return True
+
+    def _short_batch(self, rows: int | None) -> bool:
+        """Whether the model's first forward in a step took ``rows`` samples where the plan's steps
+        take a whole batch, or 1/K of one: fewer, and neither."""
+        batch = self.facts.batch_size if self.facts is not None else None
+        if not batch or rows is None:
+            return False
+        return rows < batch and rows != batch // _micro_batches(self.plans[self._current])
+
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.started = True
         if torch.is_grad_enabled() and module.training and self._current is not None:
+            self._step_rows.append(next((t.shape[0] for t in tensors(args, kwargs)
+                                         if isinstance(t, torch.Tensor) and t.dim()), None))
             # The batch's shape but its first dimension (which accumulation cuts): dynamic padding changes it
             # (a nested jagged tensor's ragged size is symbolic, another per batch: named as PyTorch prints it)
             self._step_shapes.append(tuple(tuple(d if isinstance(d, int) else str(d) for d in t.shape[1:])
@@ -1370,8 +1393,8 @@ def _run(schedule: _Schedule, path, args, gpu: GPU, simulate: bool, timeout) -> 
         before, ended = len(schedule.pending()), None
         try:
             report = observe_script(
-                # once evaluations were seen, a step more per plan for one with an evaluation in it
-                path, args, steps=(schedule.steps + bool(schedule.evaluations)) * before + 1, warmup=1, timeout=timeout,
+                # once steps were left out (evaluations, short batches), a step more per plan
+                path, args, steps=(schedule.steps + bool(schedule.left_out)) * before + 1, warmup=1, timeout=timeout,
                 on_model=schedule.on_model, on_step=schedule.on_step, target=gpu.name if simulate else None,
                 oom=False,  # a plan's full size is what is ranked, fitting or not
             )

@@ -700,6 +700,33 @@ def test_an_averaged_models_statistics_pass_is_no_plans_step(tmp_path):
     assert tables[0].loc["accum8", "peak_allocated"] < tables[0].loc["baseline", "peak_allocated"] / 2
 
 
+def test_an_epochs_short_last_batch_is_no_plans_step(tmp_path):
+    """A DataLoader keeps an epoch's last 8 samples as a batch of their own (drop_last=False, its
+    default): an accumulation plan whose step met it found nothing of 2048 samples to cut and
+    failed, with every plan of as many micro-batches; a plan without accumulation ran 8 samples.
+    Such a step is left out: the next one is the plan's."""
+    data, _ = advise_source(tmp_path, "\n".join([
+        "import torch, torch.nn as nn",
+        "from torch.utils.data import DataLoader, TensorDataset",
+        "dl = DataLoader(TensorDataset(torch.randn(3 * 2048 + 8, 512), torch.randint(0, 10, (3 * 2048 + 8,))),",
+        "                batch_size=2048, shuffle=True)",
+        "model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 10)).cuda()",
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
+        "step = 0",
+        "while step < 40:",
+        "    for x, y in dl:",
+        "        x, y = x.cuda(), y.cuda()",
+        "        nn.functional.cross_entropy(model(x), y).backward()",
+        "        opt.step(); opt.zero_grad()",
+        "        step += 1",
+    ]) + "\n")
+    assert not any("nothing of the batch's size" in why for why in data["failed"].values()), data["failed"]
+    peaks = {p["plan"]: p["peak_allocated"] for p in data["plans"]}
+    assert {"accum2", "accum4", "accum8", "bf16+accum8"} <= set(peaks)
+    # each the step of its own micro-batch: 2048 / K samples' activations (2048 x 2048 fp32 = 16 MiB, twice)
+    assert peaks["baseline"] > peaks["accum2"] > peaks["accum4"] > peaks["accum8"]
+
+
 def test_a_fault_after_the_step_as_it_is_is_said_not_a_key_error(tmp_path, monkeypatch):
     """memprof's own fault between the step as it is and the plans (here: emptying the cache)
     failed the step as it is after its report was taken; ranking then crashed with KeyError."""
