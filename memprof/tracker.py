@@ -366,6 +366,10 @@ class Tracker:
         self.others_inferred = False
         self._others_inferring = False
         self._evaluating: Any = None
+        # The last forward of the model in eval mode with gradients on, (start, end), until a
+        # backward runs: none through it (pytorch-tabnet's predict, no torch.no_grad()) makes
+        # it an evaluation, known at the next forward or the step's end.
+        self._eval_with_grad: Any = None
         self._no_grad_call: weakref.ref | None = None  # the module called without gradients, running (_on_pre)
         # Bounded, so that a run of any length costs the same host memory.
         self._steps: deque[tuple] = deque(maxlen=history)
@@ -620,6 +624,7 @@ class Tracker:
             self._steps[-1] = (*row, _seconds(spans))
 
     def _end_step(self) -> None:
+        self._no_backward_after()
         end = self._now()
         # Events (a profiled step on a GPU) are resolved later; evaluations in the step are left out.
         spans = [(self._t0, end), *self._evaluations]
@@ -1069,7 +1074,8 @@ class Tracker:
         if not self._active or transformed() or module not in self._names:  # see _on_pre; a copy
             return  # of the root (copy.deepcopy: an EMA), which shares its hook
         self._forwards += 1
-        if not torch.is_grad_enabled() and not module.training and self._evaluating is None and not self._recompute:
+        self._no_backward_after()
+        if not module.training and self._evaluating is None and not self._recompute:
             self._evaluating = self._now()  # an evaluation (see _evaluations, _on_root_post)
         if self._profiled and not self._recompute:
             for opt in self._state_only:  # (see _refresh_state)
@@ -1095,9 +1101,18 @@ class Tracker:
             self._ledger.add(_storage(param), Category.PARAMETERS, owner, name, replace=True)
 
     def _on_root_post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._evaluating is not None and self._active and not torch.is_grad_enabled():
-            self._evaluations.append((self._evaluating, self._now()))
+        if self._evaluating is not None and self._active:
+            if torch.is_grad_enabled():  # an evaluation if no backward follows (_no_backward_after)
+                self._eval_with_grad = (self._evaluating, self._now())
+            else:
+                self._evaluations.append((self._evaluating, self._now()))
         self._evaluating = None
+
+    def _no_backward_after(self) -> None:
+        """The model's forward in eval mode with gradients on that no backward followed: an evaluation."""
+        if self._eval_with_grad is not None:
+            self._evaluations.append(self._eval_with_grad)
+            self._eval_with_grad = None
 
     def _enter_in_forward(self, model: nn.Module, args: tuple) -> "Tracker":
         """Enter from inside ``model``'s forward pre-hooks, which PyTorch has
@@ -1328,6 +1343,8 @@ class Tracker:
         @functools.wraps(own)
         def run_backward(*args: Any, **kwargs: Any) -> Any:
             t = tracker()
+            if t is not None:
+                t._eval_with_grad = None  # a forward in eval mode that backward follows is training (frozen norms)
             if t is not None and not t._fwd and not t._recompute and t._hooks_innermost():
                 t._pop_saved_hooks()
             if t is not None and torch._C._current_graph_task_id() != -1 and (args or "t_outputs" in kwargs):

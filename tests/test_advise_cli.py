@@ -727,6 +727,39 @@ def test_an_epochs_short_last_batch_is_no_plans_step(tmp_path):
     assert peaks["baseline"] > peaks["accum2"] > peaks["accum4"] > peaks["accum8"]
 
 
+PREDICTING_WITH_GRADIENTS = """\
+import sys, torch, torch.nn as nn
+model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(1024, 1024), nn.ReLU())]).cuda()
+opt = torch.optim.Adam(model.parameters())
+xv = torch.randn(2048, 1024)
+for step in range(40):
+    x, y = torch.randn(256, 1024).cuda(), torch.randn(256, 1024).cuda()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step(); opt.zero_grad()
+    if "--predict" in sys.argv and step % 3 == 2:  # pytorch-tabnet's predict: eval mode, gradients on
+        model.eval()
+        preds = [model(xb.cuda()).cpu().detach() for xb in xv.split(1024)]
+        model.train()
+"""
+
+
+def test_a_prediction_in_eval_mode_with_gradients_on_is_no_plans_step(tmp_path):
+    """A prediction pass in eval mode without torch.no_grad(): its graphs, never backpropagated,
+    fell into whichever plan's step met them (accum8 peaking at the pass's 1024 rows). A forward
+    in eval mode that no backward follows is an evaluation."""
+    from memprof.advisor import default_plans
+    from memprof.script_advice import advise_script
+
+    script = tmp_path / "predict.py"
+    script.write_text(PREDICTING_WITH_GRADIENTS)
+    plans = {k: v for k, v in default_plans().items() if k in ("baseline", "accum8")}
+    advice = [advise_script(str(script), args, budget="24GiB", target="h200", plans=plans, progress=False)
+              for args in ([], ["--predict"])]
+    assert advice[0].evaluation[0] == 0 and advice[1].evaluation[0] > 0
+    columns = ["peak_allocated", "seconds"]
+    assert advice[1].table[columns].to_dict() == advice[0].table[columns].to_dict()
+
+
 def test_a_fault_after_the_step_as_it_is_is_said_not_a_key_error(tmp_path, monkeypatch):
     """memprof's own fault between the step as it is and the plans (here: emptying the cache)
     failed the step as it is after its report was taken; ranking then crashed with KeyError."""
