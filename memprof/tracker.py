@@ -823,6 +823,7 @@ class Tracker:
             for name, b in model.named_buffers():
                 if self._on_device(b):
                     led.add(_storage(b), Category.BUFFERS, _owner(root, name), name)
+            self._record_attributes(model)
         if full:
             for ref, owner, name in self._params:
                 p = ref()
@@ -851,6 +852,20 @@ class Tracker:
                     self._record_copy(name, v)
             for module, name in list(self._others.items()):
                 self._record_other(module, name)
+
+    def _record_attributes(self, model: nn.Module) -> None:
+        """Tensors the model's modules keep on the device as plain attributes, neither parameters
+        nor buffers (a rotary embedding's cos/sin cache, a mask, TabNet's group matrix): buffers,
+        named ``attribute (attribute)``. Saved for backward, they counted as activations from
+        their first save until the storage died, between steps as temporaries."""
+        led, root = self._ledger, self._root_name
+        for path, module in model.named_modules():
+            for attr, v in vars(module).items():
+                if type(v) is torch.Tensor and self._on_device(v):
+                    known = led.get(_storage(v))
+                    if known is None or known.category in (Category.ACTIVATIONS, Category.TEMPORARIES):
+                        led.add(_storage(v), Category.BUFFERS, _owner(root, f"{path}.{attr}" if path else attr),
+                                f"{attr} (attribute)", replace=True)
 
     def _record_copy(self, name: str, v: list | tuple | dict) -> None:
         """Record the values of ``v`` as another model's if they are a copy of the tracked model's

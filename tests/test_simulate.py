@@ -1066,3 +1066,37 @@ def test_a_backward_inside_backward_names_its_gradients():
     backward = last[last["phase"] == "backward Net"]
     assert backward["activation_gradients"].max() == (8 + 32 + 32) * MiB
     assert (backward["temporaries"] <= 32 * MiB).all()  # autograd's cuBLAS workspace at most
+
+
+def test_a_tensor_a_module_keeps_as_a_plain_attribute_is_a_buffer():
+    """TabNet's group matrix, a rotary embedding's cache: a tensor set as a module's attribute,
+    neither parameter nor buffer. Saved by a matmul, it counted as an activation (64 MiB here,
+    4096 x 4096 fp32) through the optimizer step, and as a temporary between steps."""
+
+    class Projected(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4096, 4096)
+
+        def forward(self, x):
+            return self.fc(x) @ self.proj
+
+    def setup():
+        model = Projected().cuda()
+        model.proj = torch.eye(4096, device="cuda")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 4096, device="cuda")
+
+        def step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        return model, opt, step
+
+    r = memprof.simulate(setup, target="h100", steps=3)
+    assert r.modules.loc["Projected", "buffers"] == 64 * MiB
+    last = r.timeline[r.timeline["step"] == r.timeline["step"].max()]
+    assert (last["buffers"] == 64 * MiB).all()
+    stepping = last[last["phase"] == "optimizer step"]
+    assert not stepping.empty and (stepping["activations"] == 0).all()
