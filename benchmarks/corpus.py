@@ -177,6 +177,10 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "video-3d-cudnn": (".", "video_3d_cudnn.py", ["--steps", "10"], ()),
     "raft-flow": (".", "raft_flow.py", ["--steps", "10"], ()),
     "reformer-reversible": (".", "reformer_reversible.py", ["--steps", "10"], ()),
+    "bilstm-crf-ner": (".", "bilstm_crf_ner.py", ["--steps", "10"], ()),
+    "tabnet-ghost-bn": (".", "tabnet_ghost_bn.py", ["--steps", "10"], ()),
+    "neural-ode-adjoint": (".", "neural_ode_adjoint.py", ["--steps", "10"], ()),
+    "swa-cifar": (".", "swa_cifar.py", ["--steps", "10"], ()),
 }
 
 

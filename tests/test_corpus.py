@@ -245,7 +245,7 @@ def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
                                   "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier", "fsdp2-llama",
                                   "prefetch-classifier", "dcgan", "conformer-asr", "hf-detr-matcher", "wav2vec2-ctc",
                                   "dino-multicrop", "kge-sparse-adam", "rwkv-tbptt", "raft-flow",
-                                  "reformer-reversible"])
+                                  "reformer-reversible", "tabnet-ghost-bn", "swa-cifar"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -276,6 +276,12 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert advice["evaluation_peak_allocated_bytes"] > 0 and {"accum2", "bf16+accum2"} <= plans
         # its reversible layers recompute in backward; their irreversible twins never run
         assert does["idle_blocks"] == ["net.net.reformer.layers.irrev_blocks.0", "net.net.reformer.layers.irrev_blocks.1"]
+    if name == "tabnet-ghost-bn":  # an epoch's short last batch, a predict pass in eval mode with gradients on
+        assert not advice["failed"] and advice["evaluation_peak_allocated_bytes"] > 0
+    if name == "swa-cifar":  # update_bn's pass over the averaged model every second step is no plan's
+        assert not advice["failed"] and advice["evaluation_peak_allocated_bytes"] == 0
+        peaks = {p["plan"]: p["peak_allocated"] for p in advice["plans"]}
+        assert peaks["accum8"] < peaks["accum4"] < peaks["accum2"] < peaks["baseline"]
     if name == "kge-sparse-adam":  # FSDP2 reduces no sparse gradient
         assert "makes sparse gradients (sparse=True)" in advice["failed"]["offload_states"]
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
