@@ -534,6 +534,9 @@ class ScriptFacts:
     #: Repeated blocks (:func:`find_blocks`) whose forward the step never called (a reversible
     #: model's irreversible twin of its layers): checkpointing them changes nothing.
     idle_blocks: list[str] = field(default_factory=list)
+    #: The custom autograd Function whose backward runs the recomputed modules (reversible
+    #: layers' ``_ReversibleFunction``, an ODE adjoint), where not ``torch.utils.checkpoint``.
+    recomputed_by: str = ""
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, **facts: Any) -> "ScriptFacts":
@@ -574,7 +577,8 @@ class ScriptFacts:
                                    f"none ({self.compute} compute)"),
             f"micro-batches per optimizer step: {self.micro_batches}",
             f"checkpointed: {', '.join(_short_list(self.checkpointed)) if self.checkpointed else 'nothing'}"
-            + (" (selective: its policy keeps some operators' outputs)" if self.selective_checkpointing else ""),
+            + (" (selective: its policy keeps some operators' outputs)" if self.selective_checkpointing else "")
+            + (f" (run again inside {self.recomputed_by})" if self.recomputed_by else ""),
             f"optimizer: {self.optimizer} ({self.implementation})" if not self.in_backward else
             f"optimizer: {self.in_backward} x {self.optimizer} ({self.implementation}), stepped in backward as each "
             "gradient is made",
@@ -743,6 +747,10 @@ class _Watch:
             # A module run while autograd computes gradients is recomputed: activation checkpointing;
             # selective where checkpoint's cached-outputs mode replays what its policy kept.
             self.recomputed[name] = None
+            node = torch._C._current_autograd_node()
+            if (not self.facts.recomputed_by and isinstance(node, torch.autograd.function.BackwardCFunction)
+                    and node.name() != "CheckpointFunctionBackward"):  # reentrant checkpoint's own Function
+                self.facts.recomputed_by = node.name()
             if not self.facts.selective_checkpointing:
                 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -881,10 +889,13 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
         elif facts.forward_dtype and any(isinstance(s, Autocast) for s in strategies):
             out[name] = f"the {who}'s forward already computes with {facts.forward_dtype} parameters"
         elif covered and any(isinstance(s, Checkpointing) for s in strategies):
-            out[name] = f"the {who} already checkpoints the repeated blocks" + (
+            out[name] = (f"the {who} already runs the repeated blocks again in backward, inside "
+                         f"{facts.recomputed_by} (a custom autograd Function that keeps nothing of them in forward, "
+                         "as reversible layers and adjoint methods do)") if facts.recomputed_by else (
+                f"the {who} already checkpoints the repeated blocks" + (
                 ", selectively: to recompute all of each block, make its policy return "
                 "CheckpointPolicy.PREFER_RECOMPUTE for every operator (torchtitan: activation checkpointing mode "
-                "'full')" if facts.selective_checkpointing else "")
+                "'full')" if facts.selective_checkpointing else ""))
         elif facts.optimizer == "none" and any(isinstance(s, ZeRO) for s in strategies):
             out[name] = f"the {who} updates the parameters itself: no optimizer's state to shard or offload"
     return out

@@ -45,7 +45,8 @@ def check_schema(data: dict) -> None:
     assert isinstance(data["code_change"], list) and all(isinstance(c, str) for c in data["code_change"])
     assert data["script_does"] is None or set(data["script_does"]) == {
         "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch",
-        "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing", "carried_state", "idle_blocks"}
+        "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing", "carried_state", "idle_blocks",
+        "recomputed_by"}
     assert isinstance(data["cache_excess_bytes"], int) and data["cache_excess_bytes"] >= 0
     assert isinstance(data["evaluation_peak_allocated_bytes"], int) and data["evaluation_peak_allocated_bytes"] >= 0
     assert isinstance(data["varying_batch_shapes"], list)
@@ -485,6 +486,59 @@ def test_the_watch_tells_selective_checkpointing():
         done = what_is_done({"ckpt": [Checkpointing()]}, facts, net, "script")["ckpt"]
         assert done.startswith("the script already checkpoints the repeated blocks")
         assert ("PREFER_RECOMPUTE" in done) is selective
+
+
+def test_the_watch_names_a_custom_function_that_runs_the_blocks_again_in_backward():
+    """An ODE solved by the adjoint method (torchdiffeq): a custom autograd Function keeps only
+    the final state in forward and runs the blocks again in its backward. That is no
+    torch.utils.checkpoint: the facts name the Function, and so does the reason checkpointing
+    is left out (it said "already checkpoints")."""
+    from memprof.script_advice import _Watch, what_is_done
+    from memprof.strategies import Checkpointing
+
+    class Block(nn.Sequential):
+        pass
+
+    blocks = nn.ModuleList([Block(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)])
+
+    class Adjoint(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, *params):
+            with torch.no_grad():
+                for block in blocks:
+                    y = y + block(y)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, a):
+            (y,) = ctx.saved_tensors
+            params = list(blocks.parameters())
+            with torch.enable_grad():
+                y = y.detach().requires_grad_()
+                f = y + blocks[1](y + blocks[0](y))
+                grads = torch.autograd.grad(f, (y, *params), a)
+            return grads
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = blocks
+
+        def forward(self, x):
+            return Adjoint.apply(x, *self.blocks.parameters())
+
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    watch = _Watch(net, opt)
+    for _ in range(2):
+        net(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        opt.step()
+        watch.step()
+    facts = watch.close()
+    assert facts.checkpointed == ["blocks.0", "blocks.1"] and facts.recomputed_by == "AdjointBackward"
+    done = what_is_done({"ckpt": [Checkpointing()]}, facts, net, "script")["ckpt"]
+    assert done.startswith("the script already runs the repeated blocks again in backward, inside AdjointBackward")
 
 
 def test_a_wrapper_optimizer_is_named_with_its_base():
