@@ -1114,9 +1114,10 @@ class _Schedule:
                 # Nor the step's as it is, or every plan would seem to save the evaluation's cache.
                 tracker.empty_cache()
             return self._leave_out()
-        if rows and self._current is not None and self._short < 3 and self._short_batch(rows[0]):
+        if rows and self._current is not None and not self._short and self._short_batch(rows[0]):
             # An epoch's last batch, short of the batch size (a DataLoader's drop_last=False): the
             # plan's step is the next one (accumulation plans failed on it, finding nothing to cut).
+            # Once a plan: a script whose every step is short (its first forward a smaller call) goes on.
             self._short += 1
             return self._leave_out()
         if self._emptied is not None:  # the script's steps on an emptied cache (below): as many as a plan's
@@ -1285,8 +1286,9 @@ class _Schedule:
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.started = True
         if torch.is_grad_enabled() and module.training and self._current is not None:
-            self._step_rows.append(next((t.shape[0] for t in tensors(args, kwargs)
-                                         if isinstance(t, torch.Tensor) and t.dim()), None))
+            if module is self.model:  # not a copy of it (which shares the hook): a host evaluation's
+                self._step_rows.append(next((t.shape[0] for t in tensors(args, kwargs)
+                                             if isinstance(t, torch.Tensor) and t.dim()), None))
             # The batch's shape but its first dimension (which accumulation cuts): dynamic padding changes it
             # (a nested jagged tensor's ragged size is symbolic, another per batch: named as PyTorch prints it)
             self._step_shapes.append(tuple(tuple(d if isinstance(d, int) else str(d) for d in t.shape[1:])
