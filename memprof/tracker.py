@@ -366,10 +366,10 @@ class Tracker:
         self.others_inferred = False
         self._others_inferring = False
         self._evaluating: Any = None
-        # The last forward of the model in eval mode with gradients on, (start, end), until a
-        # backward runs: none through it (pytorch-tabnet's predict, no torch.no_grad()) makes
-        # it an evaluation, known at the next forward or the step's end.
-        self._eval_with_grad: Any = None
+        # The forwards of the model in eval mode with gradients on since the last backward,
+        # (start, end) each: none after them (pytorch-tabnet's predict, no torch.no_grad())
+        # makes them evaluations, known at the next forward in train mode or the step's end.
+        self._eval_with_grad: list[tuple[Any, Any]] = []
         self._no_grad_call: weakref.ref | None = None  # the module called without gradients, running (_on_pre)
         # Bounded, so that a run of any length costs the same host memory.
         self._steps: deque[tuple] = deque(maxlen=history)
@@ -1089,7 +1089,8 @@ class Tracker:
         if not self._active or transformed() or module not in self._names:  # see _on_pre; a copy
             return  # of the root (copy.deepcopy: an EMA), which shares its hook
         self._forwards += 1
-        self._no_backward_after()
+        if module.training:  # (two forwards in eval mode before one backward are training: not here)
+            self._no_backward_after()
         if not module.training and self._evaluating is None and not self._recompute:
             self._evaluating = self._now()  # an evaluation (see _evaluations, _on_root_post)
         if self._profiled and not self._recompute:
@@ -1118,16 +1119,16 @@ class Tracker:
     def _on_root_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._evaluating is not None and self._active:
             if torch.is_grad_enabled():  # an evaluation if no backward follows (_no_backward_after)
-                self._eval_with_grad = (self._evaluating, self._now())
+                self._eval_with_grad.append((self._evaluating, self._now()))
             else:
                 self._evaluations.append((self._evaluating, self._now()))
         self._evaluating = None
 
     def _no_backward_after(self) -> None:
-        """The model's forward in eval mode with gradients on that no backward followed: an evaluation."""
-        if self._eval_with_grad is not None:
-            self._evaluations.append(self._eval_with_grad)
-            self._eval_with_grad = None
+        """The model's forwards in eval mode with gradients on that no backward followed: evaluations."""
+        if self._eval_with_grad:
+            self._evaluations += self._eval_with_grad
+            self._eval_with_grad = []
 
     def _enter_in_forward(self, model: nn.Module, args: tuple) -> "Tracker":
         """Enter from inside ``model``'s forward pre-hooks, which PyTorch has
@@ -1359,7 +1360,7 @@ class Tracker:
         def run_backward(*args: Any, **kwargs: Any) -> Any:
             t = tracker()
             if t is not None:
-                t._eval_with_grad = None  # a forward in eval mode that backward follows is training (frozen norms)
+                t._eval_with_grad = []  # forwards in eval mode that backward follows are training (frozen norms)
             if t is not None and not t._fwd and not t._recompute and t._hooks_innermost():
                 t._pop_saved_hooks()
             if t is not None and torch._C._current_graph_task_id() != -1 and (args or "t_outputs" in kwargs):

@@ -1450,3 +1450,24 @@ def test_calls_without_gradients_between_steps_are_no_forward_of_the_step():
     phases = list(timeline[timeline.step == timeline.step.max()].phase)
     assert phases.count("loss") == 1 and phases.index("loss") > phases.index("forward Sequential.2")
     assert report.peak.bytes["inputs"] == 64 * 512 * 4
+
+
+def test_forwards_in_eval_mode_with_gradients_are_evaluations_where_no_backward_follows():
+    """pytorch-tabnet predicts in eval mode without torch.no_grad(): no backward follows those
+    forwards, so the step they fall in has an evaluation. Two forwards in eval mode (dropout off)
+    whose losses one backward takes are training."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.1), nn.Linear(64, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 64)
+    evaluated = []
+    with memprof.track(model) as prof:
+        for step in range(6):
+            model.train(step % 2 == 0)  # odd steps in eval mode: both forwards' losses backpropagated
+            (model(x).square().mean() + model(x).abs().mean()).backward()
+            opt.step()
+            opt.zero_grad()
+            evaluated.append(prof.evaluated)
+            if step == 3:  # a prediction after the step: in the next one, before its forward
+                model.eval()
+                [model(xb) for xb in x.split(8)]
+    assert evaluated == [False, False, False, False, True, False]
