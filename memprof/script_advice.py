@@ -1055,7 +1055,7 @@ class _Schedule:
         self.evaluation_peak: tuple[int, str] = (0, "")
         self.left_out = 0  # steps left out: with an evaluation in them, or a short batch
         self._step_rows: list[int | None] = []  # of the step in progress: each forward's samples
-        self._short = 0  # the current plan's steps left out for a short batch
+        self._short_left_out = False  # whether the current plan left out a step for a short batch
 
     def pending(self) -> list[str]:
         return [n for n in self.plans if n not in self.failed and n not in self.skipped
@@ -1114,11 +1114,11 @@ class _Schedule:
                 # Nor the step's as it is, or every plan would seem to save the evaluation's cache.
                 tracker.empty_cache()
             return self._leave_out()
-        if rows and self._current is not None and not self._short and self._short_batch(rows[0]):
+        if rows and self._current is not None and not self._short_left_out and self._short_batch(rows[0]):
             # An epoch's last batch, short of the batch size (a DataLoader's drop_last=False): the
             # plan's step is the next one (accumulation plans failed on it, finding nothing to cut).
             # Once a plan: a script whose every step is short (its first forward a smaller call) goes on.
-            self._short += 1
+            self._short_left_out = True
             return self._leave_out()
         if self._emptied is not None:  # the script's steps on an emptied cache (below): as many as a plan's
             self._emptied_steps += 1
@@ -1247,7 +1247,7 @@ class _Schedule:
                 self.failed[name] = f"{type(exc).__name__}: {exc}"
                 self._advance(name)
                 continue
-            self._current, self._done, self.started, self._short = name, 0, False, 0
+            self._current, self._done, self.started, self._short_left_out = name, 0, False, False
             # (copies of the model share it)
             handle = self.model.register_forward_pre_hook(Shared(self._on_forward), with_kwargs=True)
             self._stack.callback(handle.remove)
