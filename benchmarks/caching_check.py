@@ -1,10 +1,10 @@
 """Check memprof.caching's allocator model against the real CUDA caching allocator.
 
-    python benchmarks/caching_check.py [--events N] [--seed S] [--fraction F]
+    python benchmarks/caching_check.py [--events N] [--seed S] [--fraction F] [--expandable]
 
 Meant for a GPU machine, run as a fresh process with ``PYTORCH_CUDA_ALLOC_CONF``
-(and ``PYTORCH_ALLOC_CONF``) unset, since the model is of the default
-configuration. Each scenario replays a random sequence of
+(and ``PYTORCH_ALLOC_CONF``) unset: the script sets the configuration it checks
+(``--expandable``: ``expandable_segments:True``, otherwise the default). Each scenario replays a random sequence of
 ``torch.empty(n, dtype=torch.uint8, device="cuda")`` allocations, frees (``del``),
 ``torch.cuda.empty_cache()`` and ``torch.cuda.reset_peak_memory_stats()`` on the
 device and on :class:`memprof.caching.CachingAllocatorModel`, and compares
@@ -22,7 +22,10 @@ Scenarios:
 * ``capacity``: ``mixed`` under ``torch.cuda.set_per_process_memory_fraction(F)``,
   modelled as ``capacity = int(F * total)``: compares where
   ``torch.cuda.OutOfMemoryError`` and ``SimulatedOOM`` happen. Runs last, as the
-  fraction stays set for the process.
+  fraction stays set for the process. With ``--expandable`` the model's capacity is
+  the device's physical memory (a page maps or not), so the device is filled
+  instead: all but about 2 GiB of its free memory taken outside PyTorch
+  (``cuMemAlloc``), and the capacity is what ``cudaMemGetInfo`` then calls free.
 """
 
 from __future__ import annotations
@@ -106,10 +109,11 @@ def fresh_start() -> None:
         )
 
 
-def run(name: str, sizes, events: int, seed: int, capacity: int | None = None, max_live: int = 300) -> bool:
+def run(name: str, sizes, events: int, seed: int, capacity: int | None = None, max_live: int = 300,
+        expandable: bool = False) -> bool:
     fresh_start()
     rng = random.Random(seed)
-    model = CachingAllocatorModel(capacity=capacity)
+    model = CachingAllocatorModel(capacity=capacity, expandable_segments=expandable)
     tensors: dict[int, torch.Tensor] = {}
     handles: list[int] = []  # model handles of live allocations
     history: deque[str] = deque(maxlen=12)
@@ -186,22 +190,47 @@ def run(name: str, sizes, events: int, seed: int, capacity: int | None = None, m
     return ok
 
 
+def fill_device(leave: int) -> int:
+    """Take all but about ``leave`` bytes of the device's free memory outside PyTorch (the driver's
+    ``cuMemAlloc``, held until the process ends); returns what is then free."""
+    import ctypes
+
+    torch.empty(1, device="cuda")  # the primary context, current on this thread
+    torch.cuda.empty_cache()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    free = torch.cuda.mem_get_info()[0]
+    ptr = ctypes.c_uint64()
+    size = (free - leave) // (2 * MiB) * 2 * MiB
+    if cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)) != 0:
+        sys.exit(f"cuMemAlloc of {size} bytes failed")
+    return torch.cuda.mem_get_info()[0]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--events", type=int, default=10_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fraction", type=float, default=None,
                    help="memory fraction of the capacity scenario (default: about 2 GiB of the device)")
+    p.add_argument("--expandable", action="store_true", help="check expandable_segments:True")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING"):
         if os.environ.get(var):
-            sys.exit(f"{var} is set ({os.environ[var]!r}): the model is of the default configuration")
+            sys.exit(f"{var} is set ({os.environ[var]!r}): the script sets the configuration it checks")
+    if args.expandable:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # read at CUDA's initialisation
     torch.cuda.init()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    ok = run("mixed", mixed_size, args.events, args.seed)
-    ok &= run("shapes", shape_size, args.events, args.seed + 1)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
+          f"{'expandable_segments:True' if args.expandable else 'default configuration'}")
+    ex = args.expandable
+    ok = run("mixed", mixed_size, args.events, args.seed, expandable=ex)
+    ok &= run("shapes", shape_size, args.events, args.seed + 1, expandable=ex)
+    if ex:
+        ok &= run("physical capacity", mixed_size, args.events, args.seed + 2, capacity=fill_device(2048 * MiB),
+                  expandable=True)
+        return 0 if ok else 1
     total = torch.cuda.mem_get_info()[1]
     fraction = args.fraction if args.fraction is not None else min(1.0, 2 * 1024 * MiB / total)
     torch.cuda.set_per_process_memory_fraction(fraction)

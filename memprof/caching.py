@@ -5,10 +5,10 @@ It predicts what ``torch.cuda.memory_allocated()``, ``max_memory_allocated()``,
 allocations and frees, without a GPU.
 
 What is modelled is ``DeviceCachingAllocator`` of
-``c10/cuda/CUDACachingAllocator.cpp`` in its default configuration
-(``PYTORCH_CUDA_ALLOC_CONF`` unset: ``expandable_segments`` off,
-``max_split_size`` unlimited, no ``roundup_power2_divisions``, no garbage
-collection threshold), one device, one stream, no CUDA graphs:
+``c10/cuda/CUDACachingAllocator.cpp`` with ``max_split_size`` unlimited, no
+``roundup_power2_divisions`` and no garbage collection threshold (their
+defaults), ``expandable_segments`` off or on, one device, one stream, no CUDA
+graphs. By default:
 
 * ``round_size``: a request becomes a multiple of 512 bytes (kMinBlockSize),
   at least 512.
@@ -39,20 +39,48 @@ collection threshold), one device, one stream, no CUDA graphs:
   ``resetPeakStats`` sets every peak to its current value.
 * ``NativeCachingAllocator::allocate``: a 0-byte request allocates nothing.
 
+With ``expandable_segments`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
+Note [Expandable Segments] in the same file), each pool has one segment whose
+address space is reserved up front and mapped to physical memory a page at a
+time: 2 MiB pages (kSmallBuffer) for the small pool, 20 MiB (kLargeBuffer) for
+the large one. ``memory_reserved`` counts the mapped pages only.
+
+* ``get_free_block``: best fit as above, but a free block at the mapped end of
+  a segment counts as large as it could grow (its size plus the unmapped space
+  after it), so a larger free block inside a segment is taken before it.
+* ``try_allocate_expandable_block``: with no fitting block, the lowest address
+  of a segment where free and unmapped blocks in a row make room
+  (``find_expandable_block``; a segment is made for the pool on its first
+  such request) has the pages it lacks mapped (``map_block``), and the mapped
+  block merges with its free neighbours. A map that the device's memory
+  cannot hold fails as a whole (``ExpandableSegment::map``).
+* ``should_split``: any remainder of at least 512 bytes is split off, in the
+  large pool too.
+* ``release_cached_blocks``: every whole page of a free block is unmapped
+  (``unmap_block``); a segment left with nothing mapped is released. Nothing
+  is unmapped on ``free``.
+* Stats: a mapped page counts in ``reserved_bytes`` and ``num_device_alloc``;
+  ``segment.all.current`` counts no expandable segment (``map_block`` does not
+  touch it), nor does :attr:`CachingAllocatorModel.num_segments`.
+
 Not modelled: other streams and ``record_stream`` (blocks are never held by
-pending events), CUDA graph private pools, expandable segments,
-``max_split_size_mb``, ``roundup_power2_divisions``, garbage collection, and
+pending events), CUDA graph private pools, ``max_split_size_mb``, ``roundup_power2_divisions``, garbage collection, and
 the real device's own limits (CUDA context, other processes, fragmentation of
 device memory): ``capacity`` behaves like
 ``torch.cuda.set_per_process_memory_fraction``'s limit
-(``total_allocated_memory + size > allowed_memory_maximum``). Addresses are
-synthetic (each new segment above the previous ones), so among free blocks of
-equal size the model may pick a different one than the device would.
+(``total_allocated_memory + size > allowed_memory_maximum``). With expandable segments,
+``capacity`` is the physical memory the device can map (``cuMemCreate``
+failing), not a ``set_per_process_memory_fraction`` limit, whose check uses
+``get_allocation_size`` instead. Addresses are synthetic (each new segment
+above the previous ones; an expandable segment reserves
+:data:`EXPANDABLE_ADDRESS_SPACE`), so among free blocks of equal size the model
+may pick a different one than the device would.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from bisect import bisect_left, insort
 
 import torch
@@ -68,6 +96,9 @@ __all__ = [
     "K_LARGE_BUFFER",
     "K_MIN_LARGE_ALLOC",
     "K_ROUND_LARGE",
+    "EXPANDABLE_ADDRESS_SPACE",
+    "expandable_segments_configured",
+    "expandable_segments_setting",
 ]
 
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
@@ -76,6 +107,11 @@ K_SMALL_BUFFER = 2097152  # kSmallBuffer: "small" allocations are packed in 2 Mi
 K_LARGE_BUFFER = 20971520  # kLargeBuffer: "large" allocations may be packed in 20 MiB blocks
 K_MIN_LARGE_ALLOC = 10485760  # kMinLargeAlloc: allocations between 1 and 10 MiB may use kLargeBuffer
 K_ROUND_LARGE = 2097152  # kRoundLarge: round up large allocations to 2 MiB
+
+# The address space an expandable segment reserves: PyTorch reserves 1 1/8 of the
+# device's memory, pages it can map; any space larger than the largest GPU's
+# answers the same (the unmapped tail is larger than any hole before it).
+EXPANDABLE_ADDRESS_SPACE = 1 << 40
 
 # Synthetic device addresses: segments are laid out from here upwards, each
 # aligned like cudaMalloc's (at least 512 bytes; 2 MiB keeps them readable).
@@ -98,6 +134,31 @@ def get_allocation_size(size: int) -> int:
     if size < K_MIN_LARGE_ALLOC:
         return K_LARGE_BUFFER
     return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
+
+
+def expandable_segments_configured(environ=None) -> bool:
+    """Whether PyTorch's allocator would run with ``expandable_segments``, from the
+    environment it reads at CUDA's initialisation: ``PYTORCH_CUDA_ALLOC_CONF``, else
+    the newer, device-neutral ``PYTORCH_ALLOC_CONF`` (``CUDAAllocatorConfig::instance``)."""
+    environ = os.environ if environ is None else environ
+    name = "PYTORCH_CUDA_ALLOC_CONF" if "PYTORCH_CUDA_ALLOC_CONF" in environ else "PYTORCH_ALLOC_CONF"
+    return bool(expandable_segments_setting(environ.get(name, ""), name))
+
+
+def expandable_segments_setting(settings: str, name: str = "allocator settings") -> bool | None:
+    """``expandable_segments`` in an allocator settings string (``"max_split_size_mb:128,expandable_segments:True"``),
+    None where it is not set. As ``AllocatorConfig::parseArgs`` (c10/core/AllocatorConfig.cpp) reads it: spaces
+    are ignored, the last setting wins, and a value other than ``True`` or ``False`` raises ``RuntimeError``."""
+    expandable = None
+    for item in settings.replace(" ", "").split(","):
+        key, _, value = item.partition(":")
+        if key == "expandable_segments":
+            if value not in ("True", "False"):
+                raise RuntimeError(
+                    f"{name}={settings!r}: expected a single True/False argument for expandable_segments, "
+                    f"got {value!r} (PyTorch's own error at CUDA's initialisation); write expandable_segments:True")
+            expandable = value == "True"
+    return expandable
 
 
 def _fmt(nbytes: int) -> str:
@@ -139,9 +200,11 @@ class SimulatedOOM(torch.OutOfMemoryError):
 
 class _Block:
     """A block of a segment: ``Block`` of the C++ source (ptr, size, prev, next,
-    allocated), plus which pool and segment it belongs to."""
+    allocated, mapped), plus which pool and segment it belongs to and whether
+    that segment is expandable."""
 
-    __slots__ = ("addr", "size", "requested", "small", "allocated", "prev", "next", "segment")
+    __slots__ = ("addr", "size", "requested", "small", "allocated", "prev", "next", "segment", "mapped",
+                 "expandable")
 
     def __init__(self, addr: int, size: int, small: bool, segment: int) -> None:
         self.addr = addr
@@ -152,9 +215,11 @@ class _Block:
         self.prev: _Block | None = None
         self.next: _Block | None = None
         self.segment = segment  # base address of its segment
+        self.mapped = True  # backed by physical pages: False only for an expandable segment's unmapped space
+        self.expandable = False
 
     def __repr__(self) -> str:
-        state = "allocated" if self.allocated else "free"
+        state = "allocated" if self.allocated else "free" if self.mapped else "unmapped"
         return f"_Block(0x{self.addr:x}, {self.size}, {'small' if self.small else 'large'}, {state})"
 
 
@@ -166,17 +231,20 @@ class CachingAllocatorModel:
     ``peak_reserved`` (``memory_allocated``, ``memory_reserved`` and their
     ``max_`` variants), ``requested`` / ``peak_requested`` (bytes asked for,
     before rounding), ``num_device_alloc`` / ``num_device_free`` (cudaMalloc /
-    cudaFree calls), ``num_alloc_retries`` and ``num_ooms``; ``num_segments``
-    is a property.
+    cudaFree calls, or pages mapped / unmapped), ``num_alloc_retries`` and
+    ``num_ooms``; ``num_segments`` is a property. ``expandable_segments`` may be
+    switched at any time, as ``torch.cuda.memory._set_allocator_settings``
+    does: blocks of segments made before keep their kind.
 
     Each event costs O(log n) comparisons (plus a C-level list shift) in the
     number n of free blocks of a pool.
     """
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int | None = None, expandable_segments: bool = False) -> None:
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
+        self.expandable_segments = expandable_segments
         self.allocated = 0
         self.reserved = 0
         self.requested = 0
@@ -187,15 +255,20 @@ class CachingAllocatorModel:
         self.num_device_free = 0
         self.num_alloc_retries = 0
         self.num_ooms = 0
-        # Free blocks of each pool, sorted by (size, address): BlockPool::blocks.
+        # Free mapped blocks of each pool, sorted by (size, address): BlockPool::blocks.
         self._free_small: list[tuple[int, int]] = []
         self._free_large: list[tuple[int, int]] = []
-        # Every block by its address (free or allocated).
+        # Unmapped blocks of each pool's expandable segments, by address: BlockPool::unmapped.
+        self._unmapped_small: list[int] = []
+        self._unmapped_large: list[int] = []
+        # Every block by its address (free, allocated or unmapped).
         self._blocks: dict[int, _Block] = {}
         # Free blocks that are a whole segment: what release_cached_blocks frees.
         self._whole_free: dict[int, _Block] = {}
-        # Segment base address -> segment size.
+        # Segment base address -> segment size (cudaMalloc'ed segments).
         self._segments: dict[int, int] = {}
+        # Expandable segment base address -> its address space.
+        self._expandable: dict[int, int] = {}
         # handle -> allocated block (None for 0-byte allocations).
         self._handles: dict[int, _Block | None] = {}
         self._next_handle = 1
@@ -216,13 +289,16 @@ class CachingAllocatorModel:
         new._whole_free = {s: blocks[b.addr] for s, b in self._whole_free.items()}
         new._handles = {h: b and blocks[b.addr] for h, b in self._handles.items()}
         new._free_small, new._free_large = list(self._free_small), list(self._free_large)
+        new._unmapped_small, new._unmapped_large = list(self._unmapped_small), list(self._unmapped_large)
         new._segments = dict(self._segments)
+        new._expandable = dict(self._expandable)
         return new
 
     # ------------------------------------------------------------------ API
 
     @property
     def num_segments(self) -> int:
+        """cudaMalloc'ed segments (``segment.all.current``), expandable ones not counted."""
         return len(self._segments)
 
     @property
@@ -239,7 +315,7 @@ class CachingAllocatorModel:
         """Allocate ``nbytes``; returns a handle for :meth:`free`.
 
         Raises :class:`SimulatedOOM` when ``capacity`` is set and a needed new
-        segment does not fit even after releasing the cached segments."""
+        segment (or page) does not fit even after releasing the cached ones."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         handle = self._next_handle
@@ -253,21 +329,16 @@ class CachingAllocatorModel:
         small = size <= K_SMALL_SIZE  # get_pool
         pool = self._free_small if small else self._free_large
 
-        # get_free_block: lower_bound on (size, nullptr) -> best fit, lowest address.
-        i = bisect_left(pool, (size,))
-        if i < len(pool):
-            addr = pool.pop(i)[1]
-            block = self._blocks[addr]
-            if block.prev is None and block.next is None:
-                del self._whole_free[addr]
-        else:
-            block = self._alloc_segment(nbytes, size, small)
+        block = self._get_free_block(pool, size)
+        if block is None:
+            block = self._alloc_block(nbytes, size, small)
 
         # should_split + alloc_found_block
         remaining = block.size - size
-        split = remaining >= K_MIN_BLOCK_SIZE if small else remaining > K_SMALL_SIZE
+        split = remaining >= K_MIN_BLOCK_SIZE if small or self.expandable_segments else remaining > K_SMALL_SIZE
         if split:
             rest = _Block(block.addr + size, remaining, small, block.segment)
+            rest.expandable = block.expandable
             rest.prev = block
             rest.next = block.next
             if rest.next is not None:
@@ -304,9 +375,9 @@ class CachingAllocatorModel:
         pool = self._free_small if block.small else self._free_large
         blocks = self._blocks
 
-        # free_block: try_merge_blocks with prev, then next.
+        # free_block: try_merge_blocks with prev, then next (free and mapped alike).
         prev = block.prev
-        if prev is not None and not prev.allocated:
+        if prev is not None and not prev.allocated and prev.mapped:
             del pool[bisect_left(pool, (prev.size, prev.addr))]
             del blocks[block.addr]
             block.addr = prev.addr
@@ -316,7 +387,7 @@ class CachingAllocatorModel:
                 block.prev.next = block
             blocks[block.addr] = block
         nxt = block.next
-        if nxt is not None and not nxt.allocated:
+        if nxt is not None and not nxt.allocated and nxt.mapped:
             del pool[bisect_left(pool, (nxt.size, nxt.addr))]
             del blocks[nxt.addr]
             block.size += nxt.size
@@ -325,11 +396,11 @@ class CachingAllocatorModel:
                 block.next.prev = block
 
         insort(pool, (block.size, block.addr))
-        if block.prev is None and block.next is None:
+        if block.prev is None and block.next is None and not block.expandable:
             self._whole_free[block.addr] = block
 
     def empty_cache(self) -> None:
-        """``torch.cuda.empty_cache()``: release every cached free segment."""
+        """``torch.cuda.empty_cache()``: release every cached free segment and unmap every free page."""
         self._release_cached_blocks()
 
     def reset_peak(self) -> None:
@@ -365,57 +436,61 @@ class CachingAllocatorModel:
 
     def layout(self) -> tuple:
         """The allocator's state up to handle names: live blocks (address,
-        size) in the order they were allocated, segments and free blocks. Two
-        equal layouts answer the same sequence of mallocs and frees (the i-th
-        oldest live block freed where it was the i-th oldest) the same way."""
+        size) in the order they were allocated, segments, free and unmapped
+        blocks and the setting. Two equal layouts answer the same sequence of
+        mallocs and frees (the i-th oldest live block freed where it was the
+        i-th oldest) the same way."""
         live = tuple((b.addr, b.size) for b in self._handles.values() if b is not None)
-        return live, tuple(sorted(self._segments.items())), tuple(self._free_small), tuple(self._free_large)
+        return (live, tuple(sorted(self._segments.items())), tuple(self._free_small), tuple(self._free_large),
+                tuple(sorted(self._expandable.items())), tuple(self._unmapped_small), tuple(self._unmapped_large),
+                self.expandable_segments)
 
     def snapshot(self) -> list[dict]:
         """Segments sorted by address, in the shape of
         ``torch.cuda.memory_snapshot()['segments']`` (fewer keys): address,
-        total_size, segment_type ('small'/'large'), allocated_size,
-        requested_size, blocks (address, size, requested_size, state
-        'active_allocated' or 'inactive')."""
+        total_size, segment_type ('small'/'large'), is_expandable,
+        allocated_size, requested_size, blocks (address, size, requested_size,
+        state 'active_allocated' or 'inactive'). As PyTorch's, an expandable
+        segment shows as one segment per run of mapped blocks."""
         out = []
-        for base in sorted(self._segments):
+        for base in sorted([*self._segments, *self._expandable]):
             block = self._blocks[base]
-            seg_blocks = []
-            allocated = requested = 0
             while block is not None:
-                seg_blocks.append(
-                    {
-                        "address": block.addr,
-                        "size": block.size,
-                        "requested_size": block.requested,
-                        "state": "active_allocated" if block.allocated else "inactive",
-                    }
-                )
-                if block.allocated:
-                    allocated += block.size
-                    requested += block.requested
-                block = block.next
-            out.append(
-                {
-                    "address": base,
-                    "total_size": self._segments[base],
-                    "segment_type": "small" if self._blocks[base].small else "large",
+                if not block.mapped:
+                    block = block.next
+                    continue
+                head, seg_blocks, allocated, requested = block, [], 0, 0
+                while block is not None and block.mapped:
+                    seg_blocks.append({"address": block.addr, "size": block.size, "requested_size": block.requested,
+                                       "state": "active_allocated" if block.allocated else "inactive"})
+                    if block.allocated:
+                        allocated += block.size
+                        requested += block.requested
+                    block = block.next
+                out.append({
+                    "address": head.addr,
+                    "total_size": sum(b["size"] for b in seg_blocks),
+                    "segment_type": "small" if head.small else "large",
+                    "is_expandable": head.expandable,
                     "allocated_size": allocated,
                     "requested_size": requested,
                     "blocks": seg_blocks,
-                }
-            )
+                })
         return out
 
     def check_invariants(self) -> None:
         """Assert the model's internal consistency (for tests; O(blocks))."""
-        seg_total = 0
+        mapped_total = 0
         alloc_total = 0
         free_small: list[tuple[int, int]] = []
         free_large: list[tuple[int, int]] = []
+        unmapped_small: list[int] = []
+        unmapped_large: list[int] = []
         seen = 0
-        for base, seg_size in self._segments.items():
-            seg_total += seg_size
+        assert not set(self._segments) & set(self._expandable)
+        for base, seg_size in [*self._segments.items(), *self._expandable.items()]:
+            expandable = base in self._expandable
+            page = (K_SMALL_BUFFER if self._blocks[base].small else K_LARGE_BUFFER) if expandable else 1
             head = self._blocks.get(base)
             assert head is not None and head.prev is None, f"segment 0x{base:x} has no head block"
             addr = base
@@ -424,26 +499,34 @@ class CachingAllocatorModel:
             while block is not None:
                 seen += 1
                 assert block.addr == addr, f"gap or overlap at 0x{addr:x}"
-                assert block.segment == base and block.small == head.small
+                assert block.segment == base and block.small == head.small and block.expandable == expandable
                 assert block.prev is prev
                 assert self._blocks.get(block.addr) is block
                 assert block.size > 0 and block.size % K_MIN_BLOCK_SIZE == 0
                 if block.allocated:
+                    assert block.mapped
                     alloc_total += block.size
-                else:
-                    assert prev is None or prev.allocated, "two adjacent free blocks"
+                elif block.mapped:
+                    assert prev is None or prev.allocated or not prev.mapped, "two adjacent free blocks"
                     (free_small if block.small else free_large).append((block.size, block.addr))
                     whole = block.prev is None and block.next is None
-                    assert (self._whole_free.get(block.addr) is block) == whole
+                    assert (self._whole_free.get(block.addr) is block) == (whole and not expandable)
+                else:
+                    assert expandable and (prev is None or prev.mapped), "two adjacent unmapped blocks"
+                    assert (block.addr - base) % page == 0 and block.size % page == 0, "unmapped block off the pages"
+                    (unmapped_small if block.small else unmapped_large).append(block.addr)
+                if block.mapped:
+                    mapped_total += block.size
                 addr += block.size
                 prev = block
                 block = block.next
             assert addr == base + seg_size, f"segment 0x{base:x} blocks do not tile it"
         assert seen == len(self._blocks), "blocks outside any segment"
-        assert seg_total == self.reserved, (seg_total, self.reserved)
+        assert mapped_total == self.reserved, (mapped_total, self.reserved)
         assert alloc_total == self.allocated, (alloc_total, self.allocated)
         assert self._free_small == sorted(free_small), "small pool out of sync"
         assert self._free_large == sorted(free_large), "large pool out of sync"
+        assert self._unmapped_small == sorted(unmapped_small) and self._unmapped_large == sorted(unmapped_large)
         assert len(self._whole_free) == sum(1 for b in self._whole_free.values() if not b.allocated)
         live = sum(b.size for b in self._handles.values() if b is not None)
         assert live == self.allocated
@@ -454,31 +537,199 @@ class CachingAllocatorModel:
 
     # ------------------------------------------------------------ internals
 
-    def _alloc_segment(self, nbytes: int, size: int, small: bool) -> _Block:
+    def _get_free_block(self, pool: list[tuple[int, int]], size: int) -> _Block | None:
+        """``get_free_block``: lower_bound on (size, nullptr) -> best fit, lowest address."""
+        i = bisect_left(pool, (size,))
+        if i == len(pool):
+            return None
+        blocks = self._blocks
+        block = blocks[pool[i][1]]
+        if block.expandable:
+            if self.expandable_segments:
+                # A block at the mapped end of a segment counts as the size it can grow to.
+                while block.expandable and i + 1 < len(pool):
+                    nxt = blocks[pool[i + 1][1]]
+                    if _growable(nxt) >= _growable(block):
+                        break
+                    i, block = i + 1, nxt
+            else:  # switched off since: only cudaMalloc'ed blocks are handed out
+                while block.expandable:
+                    i += 1
+                    if i == len(pool):
+                        return None
+                    block = blocks[pool[i][1]]
+        del pool[i]
+        if block.prev is None and block.next is None and not block.expandable:
+            del self._whole_free[block.addr]
+        return block
+
+    def _alloc_block(self, nbytes: int, size: int, small: bool) -> _Block:
         """``alloc_block``, with malloc's retry after ``release_cached_blocks``."""
-        alloc_size = get_allocation_size(size)
-        if self.capacity is not None and self.reserved + alloc_size > self.capacity:
+        block = self._try_alloc(size, small)
+        if block is None:
             # release_available_cached_blocks is a no-op without max_split_size;
-            # release_cached_blocks frees every whole cached segment, then retry.
+            # release_cached_blocks frees every whole cached segment and free page, then retry.
             self._release_cached_blocks()
             self.num_alloc_retries += 1
-            if self.reserved + alloc_size > self.capacity:
+            block = self._try_alloc(size, small)
+            if block is None:
                 self.num_ooms += 1
-                raise SimulatedOOM(nbytes, alloc_size, self.reserved, self.allocated, self.capacity)
-        base = self._next_address
-        self._next_address = base + -(-alloc_size // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+                raise SimulatedOOM(nbytes, get_allocation_size(size), self.reserved, self.allocated, self.capacity)
+        return block
+
+    def _try_alloc(self, size: int, small: bool) -> _Block | None:
+        """A new segment (cudaMalloc), or with expandable segments the pages a block lacks; None where the
+        device's memory cannot hold it."""
+        if self.expandable_segments:
+            return self._try_allocate_expandable_block(size, small)
+        alloc_size = get_allocation_size(size)
+        if self.capacity is not None and self.reserved + alloc_size > self.capacity:
+            return None
+        base = self._new_address(alloc_size)
         block = _Block(base, alloc_size, small, base)
         self._blocks[base] = block
         self._segments[base] = alloc_size
-        self.reserved += alloc_size
+        self._reserve(alloc_size)
+        return block
+
+    def _new_address(self, nbytes: int) -> int:
+        base = self._next_address
+        self._next_address = base + -(-nbytes // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+        return base
+
+    def _reserve(self, nbytes: int) -> None:
+        self.reserved += nbytes
         if self.reserved > self.peak_reserved:
             self.peak_reserved = self.reserved
         self.num_device_alloc += 1
+
+    def _try_allocate_expandable_block(self, size: int, small: bool) -> _Block | None:
+        """``try_allocate_expandable_block``: map what the lowest room for ``size`` lacks."""
+        candidate = self._find_expandable_block(size, small)
+        # candidate, then: unmapped -> ..., or free -> unmapped -> ...
+        if not candidate.mapped and not self._map_block(candidate, min(candidate.size, size)):
+            return None
+        while candidate.size < size:
+            nxt = candidate.next  # unmapped: mapping it merges candidate into it
+            if not self._map_block(nxt, min(size - candidate.size, nxt.size)):
+                return None
+            candidate = nxt
+        pool = self._free_small if small else self._free_large
+        del pool[bisect_left(pool, (candidate.size, candidate.addr))]
+        return candidate
+
+    def _find_expandable_block(self, size: int, small: bool) -> _Block:
+        """``find_expandable_block``: the lowest address of a segment where free and unmapped
+        blocks in a row hold ``size``; a new segment where none does."""
+        unmapped = self._unmapped_small if small else self._unmapped_large
+        for addr in unmapped:
+            start = self._blocks[addr]
+            if start.prev is not None and not start.prev.allocated:
+                start = start.prev  # a free block just before the unmapped space
+            room, b = 0, start
+            while room < size and b is not None and not b.allocated:
+                room += b.size
+                b = b.next
+            if room >= size:
+                return start
+        page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+        space = -(-EXPANDABLE_ADDRESS_SPACE // page) * page
+        base = self._new_address(space)
+        block = _Block(base, space, small, base)
+        block.mapped, block.expandable = False, True
+        self._blocks[base] = block
+        self._expandable[base] = space
+        insort(unmapped, base)
         return block
+
+    def _map_block(self, block: _Block, size: int) -> bool:
+        """``map_block``: back the first ``size`` bytes of the unmapped ``block`` with pages (whole pages,
+        all or none), then merge it with its free neighbours."""
+        page = K_SMALL_BUFFER if block.small else K_LARGE_BUFFER
+        mapped = -(-size // page) * page
+        if self.capacity is not None and self.reserved + mapped > self.capacity:
+            return False  # cuMemCreate runs out: ExpandableSegment::map releases what it made
+        unmapped = self._unmapped_small if block.small else self._unmapped_large
+        del unmapped[bisect_left(unmapped, block.addr)]
+        block.mapped = True
+        if mapped < block.size:
+            rest = _Block(block.addr + mapped, block.size - mapped, block.small, block.segment)
+            rest.mapped, rest.expandable = False, True
+            self._splice(rest, block, block.next)
+            insort(unmapped, rest.addr)
+            block.size = mapped
+        self._merge(block, block.prev)
+        self._merge(block, block.next)
+        insort(self._free_small if block.small else self._free_large, (block.size, block.addr))
+        self._reserve(mapped)
+        return True
+
+    def _unmap_block(self, block: _Block) -> None:
+        """``unmap_block``: give back the whole pages inside the free ``block``; what is left of it
+        at either end stays a free block."""
+        page = K_SMALL_BUFFER if block.small else K_LARGE_BUFFER
+        start, end = block.addr - block.segment, block.addr - block.segment + block.size
+        first, last = -(-start // page) * page, end // page * page
+        if first >= last:
+            return
+        pool = self._free_small if block.small else self._free_large
+        del pool[bisect_left(pool, (block.size, block.addr))]
+        del self._blocks[block.addr]
+        for lo, hi, before in ((start, first, True), (last, end, False)):
+            if hi > lo:  # prev? -> before -> block, or block -> after -> next?
+                free = _Block(block.segment + lo, hi - lo, block.small, block.segment)
+                free.expandable = True
+                if before:
+                    self._splice(free, block.prev, block)
+                else:
+                    self._splice(free, block, block.next)
+                insort(pool, (free.size, free.addr))
+        block.addr, block.size, block.mapped = block.segment + first, last - first, False
+        self._blocks[block.addr] = block
+        self._merge(block, block.prev)
+        self._merge(block, block.next)
+        insort(self._unmapped_small if block.small else self._unmapped_large, block.addr)
+        self.reserved -= last - first
+        self.num_device_free += 1
+
+    def _splice(self, block: _Block, before: _Block | None, after: _Block | None) -> None:
+        """``Block::splice``: put ``block`` between its neighbours ``before`` and ``after``."""
+        block.prev, block.next = before, after
+        if before is not None:
+            before.next = block
+        if after is not None:
+            after.prev = block
+        self._blocks[block.addr] = block
+
+    def _merge(self, dst: _Block, src: _Block | None) -> None:
+        """``try_merge_blocks``: ``dst`` takes in its neighbour ``src`` where both are free and both
+        mapped or both unmapped."""
+        if src is None or src.allocated or src.mapped != dst.mapped:
+            return
+        if src.mapped:
+            pool = self._free_small if src.small else self._free_large
+            del pool[bisect_left(pool, (src.size, src.addr))]
+        else:
+            unmapped = self._unmapped_small if src.small else self._unmapped_large
+            del unmapped[bisect_left(unmapped, src.addr)]
+        del self._blocks[src.addr]
+        if dst.prev is src:
+            del self._blocks[dst.addr]
+            dst.addr, dst.prev = src.addr, src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+            self._blocks[dst.addr] = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
 
     def _release_cached_blocks(self) -> None:
         """``release_cached_blocks``: cudaFree every free block with no prev
-        and no next (a whole segment); split segments are kept."""
+        and no next (a whole segment; split segments are kept), unmap the
+        whole pages of every free block of an expandable segment and release
+        a segment left with nothing mapped."""
         for addr, block in self._whole_free.items():
             pool = self._free_small if block.small else self._free_large
             del pool[bisect_left(pool, (block.size, addr))]
@@ -487,3 +738,21 @@ class CachingAllocatorModel:
             self.reserved -= block.size
             self.num_device_free += 1
         self._whole_free.clear()
+        if not self._expandable:
+            return
+        blocks = self._blocks
+        for pool in (self._free_large, self._free_small):
+            for block in [blocks[addr] for _, addr in pool if blocks[addr].expandable]:
+                self._unmap_block(block)
+                if block.prev is None and block.next is None and not block.mapped:  # release_expandable_segment
+                    unmapped = self._unmapped_small if block.small else self._unmapped_large
+                    del unmapped[bisect_left(unmapped, block.addr)]
+                    del blocks[block.addr]
+                    del self._expandable[block.addr]
+
+
+def _growable(block: _Block) -> int:
+    """The size a free block of an expandable segment can grow to: its own and the unmapped space
+    right after it (``get_free_block``'s ``expandable_size``)."""
+    nxt = block.next
+    return block.size + (nxt.size if nxt is not None and not nxt.mapped else 0)

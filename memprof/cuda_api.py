@@ -114,6 +114,8 @@ class CudaRuntime:
             "memory_summary": lambda device=None, abbreviated=False: vc.memory_summary(),
             "mem_get_info": lambda device=None: vc.mem_get_info(),
             "set_per_process_memory_fraction": lambda fraction, device=None: None,
+            "_set_allocator_settings": lambda settings: getattr(
+                self.allocator, "set_allocator_settings", _nothing)(settings),
             "utilization": lambda device=None: 100,
             "list_gpu_processes": lambda device=None: f"GPU:0 (simulated {gpu.name})\nno processes are running",
             **LEGACY_TYPES,

@@ -640,10 +640,6 @@ def observe_script(
                         observer.oom_files = observer.record_oom(exc)  # while what it failed on is still live
             finally:
                 observer.close()  # every hook and the tracker, before the simulated device goes
-                if gpu is not None and "expandable_segments:true" in os.environ.get(
-                        "PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():  # the script may set it itself
-                    device._note("expandable segments", "not modelled: peak reserved as PyTorch's default "
-                                 "allocator reserves it, more than expandable segments would")
                 if _process_group() and not grouped:
                     # Stopped before its own destroy_process_group(): the next run (another plan,
                     # --verify) starts the script again, and a second init_process_group would fail.

@@ -32,7 +32,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .allocator import Counters, cublas_workspace_bytes
 from .aten_args import decomposes, tensors
-from .caching import CachingAllocatorModel
+from .caching import CachingAllocatorModel, expandable_segments_configured, expandable_segments_setting
 from .cudnn import CONVOLUTIONS, cudnn_layout, tf32_allowed
 from .devices import GPU, get_gpu
 from .meta_kernels import PLAIN_TENSORS, KernelCache
@@ -238,6 +238,8 @@ class SimulatedAllocator(TorchDispatchMode):
         self._kept = (0, 0)
         #: The script's own meta tensors, not the GPU's (``virtual_cuda.MetaTensors``), where told apart.
         self.script_meta = None
+        # Whether the allocator's settings were read (at the first allocation, as PyTorch reads them).
+        self._configured = False
 
     @property
     def seconds(self) -> float:
@@ -405,7 +407,20 @@ class SimulatedAllocator(TorchDispatchMode):
         return self._model_call(replay_step, self.model, events)
 
     def _malloc(self, nbytes: int) -> int:
+        if not self._configured:
+            # PyTorch reads its allocator's settings at CUDA's first use, after a script's own
+            # first lines (os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ...) have run.
+            self._configured = True
+            self.model.expandable_segments = expandable_segments_configured()
         return self._model_call(self.model.malloc, nbytes, event=lambda handle: ("m", handle, nbytes))
+
+    def set_allocator_settings(self, settings: str) -> None:
+        """``torch.cuda.memory._set_allocator_settings``: ``expandable_segments`` switched for the
+        segments made from now on, where ``settings`` names it."""
+        expandable = expandable_segments_setting(settings, "_set_allocator_settings")
+        self._configured = True
+        if expandable is not None:
+            self.model.expandable_segments = expandable
 
     def free(self, handle: int) -> None:
         """Free the allocator model's block ``handle`` (one no tensor holds: a replayed

@@ -584,3 +584,168 @@ def test_deepcopy_of_a_segment_split_into_thousands_of_blocks():
     # the small segment, now one free block, and a 20 MiB large segment (kLargeBuffer)
     assert c.reserved == m.reserved == (2 + 20) * 2**20
     c.check_invariants()
+
+
+# ------------------------------------------------------- expandable segments
+# Expectations from Note [Expandable Segments] and try_allocate_expandable_block,
+# map_block, unmap_block, get_free_block of c10/cuda/CUDACachingAllocator.cpp:
+# 2 MiB pages in the small pool, 20 MiB pages in the large one.
+
+
+def blocks_of(m: CachingAllocatorModel) -> list[list[tuple[int, str]]]:
+    """(block size, state) per mapped run of each expandable segment, by address."""
+    return [[(b["size"], b["state"][0]) for b in s["blocks"]] for s in m.snapshot() if s["is_expandable"]]
+
+
+def test_expandable_small_request_maps_one_small_page():
+    m = CachingAllocatorModel(expandable_segments=True)
+    m.malloc(1)
+    # round_size 512; the small pool's segment maps one 2 MiB page, the rest split off (>= 512).
+    assert (m.allocated, m.reserved, m.num_device_alloc) == (512, 2 * MiB, 1)
+    # map_block leaves segment.all.current alone: no cudaMalloc'ed segment.
+    assert m.num_segments == 0
+    assert blocks_of(m) == [[(512, "a"), (2 * MiB - 512, "i")]]
+    m.check_invariants()
+
+
+def test_expandable_segment_grows_by_large_pages_and_splits_any_remainder():
+    m = CachingAllocatorModel(expandable_segments=True)
+    m.malloc(30 * MiB)  # two 20 MiB pages mapped; the 10 MiB left is split off
+    assert (m.allocated, m.reserved) == (30 * MiB, 40 * MiB)
+    m.malloc(5 * MiB)  # best fit: the 10 MiB free block; remainder 5 MiB >= 512 is split too
+    assert (m.allocated, m.reserved) == (35 * MiB, 40 * MiB)
+    # 8 MiB: no free block fits; the free 5 MiB block before the unmapped space is extended by
+    # one more page (3 MiB lacking -> 20 MiB mapped) and merges with it: 25 MiB, 17 MiB left.
+    m.malloc(8 * MiB)
+    assert (m.allocated, m.reserved, m.num_device_alloc) == (43 * MiB, 60 * MiB, 2)
+    assert blocks_of(m) == [[(30 * MiB, "a"), (5 * MiB, "a"), (8 * MiB, "a"), (17 * MiB, "i")]]
+    m.check_invariants()
+
+
+def test_expandable_best_fit_passes_over_the_growable_end():
+    m = CachingAllocatorModel(expandable_segments=True)
+    a = m.malloc(12 * MiB)
+    m.malloc(4 * MiB)
+    m.free(a)  # free 12 MiB at the start, 4 MiB allocated, free 4 MiB at the mapped end
+    assert blocks_of(m) == [[(12 * MiB, "i"), (4 * MiB, "a"), (4 * MiB, "i")]]
+    h = m.malloc(3 * MiB)
+    # The 4 MiB end block counts as 4 MiB plus the unmapped space after it, more than the
+    # 12 MiB block, so the 12 MiB block is taken (the default allocator would take the 4 MiB one).
+    assert m.address_of(h) == m.snapshot()[0]["address"]
+    assert blocks_of(m) == [[(3 * MiB, "a"), (9 * MiB, "i"), (4 * MiB, "a"), (4 * MiB, "i")]]
+    m.check_invariants()
+
+
+def test_expandable_free_keeps_pages_and_empty_cache_unmaps_whole_ones():
+    m = CachingAllocatorModel(expandable_segments=True)
+    a = m.malloc(30 * MiB)
+    m.malloc(5 * MiB)
+    m.free(a)
+    assert (m.allocated, m.reserved) == (5 * MiB, 40 * MiB)  # free does not unmap
+    m.empty_cache()
+    # unmap_block: the free [0, 30) MiB holds one whole page, [0, 20); [20, 30) stays mapped and
+    # free. The free [35, 40) MiB holds no whole page.
+    assert (m.reserved, m.num_device_free) == (20 * MiB, 1)
+    assert blocks_of(m) == [[(10 * MiB, "i"), (5 * MiB, "a"), (5 * MiB, "i")]]
+    # 25 MiB: the lowest room is the unmapped hole at the start with the free 10 MiB after it:
+    # one page mapped there, merged with the 10 MiB block.
+    h = m.malloc(25 * MiB)
+    assert m.address_of(h) == min(m._expandable)
+    assert (m.allocated, m.reserved) == (30 * MiB, 40 * MiB)
+    assert blocks_of(m) == [[(25 * MiB, "a"), (5 * MiB, "i"), (5 * MiB, "a"), (5 * MiB, "i")]]
+    m.check_invariants()
+
+
+def test_expandable_segment_left_unmapped_is_released():
+    m = CachingAllocatorModel(expandable_segments=True)
+    first = m.address_of(m.malloc(30 * MiB))
+    m.free(1)
+    m.empty_cache()
+    # Both pages unmapped; the block then has no neighbour: release_expandable_segment.
+    assert (m.reserved, m.num_device_free, m.snapshot(), m._expandable) == (0, 1, [], {})
+    assert m.address_of(m.malloc(MiB + 512)) != first  # a new segment, for the large pool
+    assert m.reserved == 20 * MiB
+    m.check_invariants()
+
+
+def test_expandable_out_of_memory_unmaps_free_pages_then_raises():
+    m = CachingAllocatorModel(capacity=60 * MiB, expandable_segments=True)
+    a = m.malloc(30 * MiB)
+    m.malloc(25 * MiB)  # 40 MiB mapped, then one more page: 60 MiB
+    m.free(a)
+    assert (m.allocated, m.reserved) == (25 * MiB, 60 * MiB)
+    # 36 MiB: no free block fits; the free 5 MiB at the end needs 31 MiB more, two pages: 100 MiB
+    # > 60. release_cached_blocks unmaps [0, 20) of the free 30 MiB; the retry finds the hole at
+    # the start too small (20 + 10 MiB) and the end still two pages short: out of memory.
+    with pytest.raises(SimulatedOOM):
+        m.malloc(36 * MiB)
+    assert (m.reserved, m.num_alloc_retries, m.num_ooms) == (40 * MiB, 1, 1)
+    m.check_invariants()
+    m.malloc(28 * MiB)  # the hole and the free 10 MiB after it: 30 MiB, one page mapped
+    assert (m.allocated, m.reserved) == (53 * MiB, 60 * MiB)
+    m.check_invariants()
+
+
+def test_expandable_switched_off_hands_out_cudamalloc_blocks_only():
+    m = CachingAllocatorModel(expandable_segments=True)
+    m.malloc(5 * MiB)
+    m.expandable_segments = False
+    # The free 15 MiB of the expandable segment is passed over; a 20 MiB cudaMalloc'ed segment is made.
+    m.malloc(4 * MiB)
+    assert (m.reserved, m.num_segments) == (40 * MiB, 1)
+    assert layout(m)[1] == ("large", 20 * MiB, [(4 * MiB, "a"), (16 * MiB, "i")])
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("seed,capacity", [(3, None), (4, 400 * MiB)])
+def test_expandable_random_events_keep_invariants(seed, capacity):
+    import copy
+
+    rng = random.Random(seed)
+    m = CachingAllocatorModel(capacity=capacity, expandable_segments=True)
+    live: list[int] = []
+    ooms = 0
+    for step in range(5_000):
+        r = rng.random()
+        if r < 0.004:
+            m.empty_cache()
+        elif live and (len(live) > 150 or r < 0.45):
+            m.free(live.pop(rng.randrange(len(live))))
+        else:
+            try:
+                live.append(m.malloc(_random_size(rng)))
+            except SimulatedOOM:
+                ooms += 1
+        assert m.reserved % (2 * MiB) == 0 and m.allocated <= m.reserved
+        if step % 25 == 0:
+            m.check_invariants()
+        if step == 2_500:
+            c = copy.deepcopy(m)
+            c.check_invariants()
+            assert c.layout() == m.layout()
+    assert m.num_segments == 0  # only expandable segments were made
+    if capacity is not None:
+        assert ooms > 0 and m.num_ooms == ooms
+    for h in live:
+        m.free(h)
+    m.empty_cache()
+    assert (m.allocated, m.reserved, m._expandable) == (0, 0, {})
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({}, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments : True"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,expandable_segments:False"}, False),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
+    # The CUDA-specific name is read first; the other only where it is unset.
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}, False),
+])
+def test_expandable_segments_setting_is_read_as_pytorch_reads_it(environ, expected):
+    assert caching.expandable_segments_configured(environ) is expected
+
+
+def test_expandable_segments_setting_other_than_true_or_false_is_pytorchs_error():
+    with pytest.raises(RuntimeError, match="expected a single True/False argument for expandable_segments, got 'true'"):
+        caching.expandable_segments_configured({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:true"})
