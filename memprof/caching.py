@@ -329,7 +329,18 @@ class CachingAllocatorModel:
         small = size <= K_SMALL_SIZE  # get_pool
         pool = self._free_small if small else self._free_large
 
-        block = self._get_free_block(pool, size)
+        # get_free_block: lower_bound on (size, nullptr) -> best fit, lowest address.
+        i = bisect_left(pool, (size,))
+        if i < len(pool):
+            block = self._blocks[pool[i][1]]
+            if block.expandable:
+                block = self._expandable_fit(pool, i)
+            else:
+                del pool[i]
+                if block.prev is None and block.next is None:
+                    del self._whole_free[block.addr]
+        else:
+            block = None
         if block is None:
             block = self._alloc_block(nbytes, size, small)
 
@@ -537,27 +548,23 @@ class CachingAllocatorModel:
 
     # ------------------------------------------------------------ internals
 
-    def _get_free_block(self, pool: list[tuple[int, int]], size: int) -> _Block | None:
-        """``get_free_block``: lower_bound on (size, nullptr) -> best fit, lowest address."""
-        i = bisect_left(pool, (size,))
-        if i == len(pool):
-            return None
+    def _expandable_fit(self, pool: list[tuple[int, int]], i: int) -> _Block | None:
+        """``get_free_block`` where the best fit, ``pool[i]``, is a block of an expandable segment."""
         blocks = self._blocks
         block = blocks[pool[i][1]]
-        if block.expandable:
-            if self.expandable_segments:
-                # A block at the mapped end of a segment counts as the size it can grow to.
-                while block.expandable and i + 1 < len(pool):
-                    nxt = blocks[pool[i + 1][1]]
-                    if _growable(nxt) >= _growable(block):
-                        break
-                    i, block = i + 1, nxt
-            else:  # switched off since: only cudaMalloc'ed blocks are handed out
-                while block.expandable:
-                    i += 1
-                    if i == len(pool):
-                        return None
-                    block = blocks[pool[i][1]]
+        if self.expandable_segments:
+            # A block at the mapped end of a segment counts as the size it can grow to.
+            while block.expandable and i + 1 < len(pool):
+                nxt = blocks[pool[i + 1][1]]
+                if _growable(nxt) >= _growable(block):
+                    break
+                i, block = i + 1, nxt
+        else:  # switched off since: only cudaMalloc'ed blocks are handed out
+            while block.expandable:
+                i += 1
+                if i == len(pool):
+                    return None
+                block = blocks[pool[i][1]]
         del pool[i]
         if block.prev is None and block.next is None and not block.expandable:
             del self._whole_free[block.addr]
