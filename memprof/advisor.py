@@ -236,7 +236,9 @@ def _session(make_workload, base: list, plans: dict[str, list], gpu: GPU, steps:
     failed: dict[str, Exception] = {}
     # Decided before the simulated CUDA stands in for the real one.
     forked = jobs > 1 and len(sharing) > 1 and can_fork()
-    with VirtualCUDA(gpu, allocator=allocator) as device:
+    with VirtualCUDA(gpu, allocator=allocator) as device, ExitStack() as building:
+        for s in base:  # what must hold before the build: the allocator's settings
+            building.enter_context(s.building())
         with torch.device("meta"):
             w = make_workload()
         allocator.adopt(_state_tensors(w.model, w.optimizer))
@@ -646,19 +648,18 @@ def advise(
     plans = plans or default_plans(world_size, gpu=gpu)
     if "baseline" not in plans:  # every plan is judged against the step as it is
         plans = {"baseline": list, **plans}
-    built = {name: factory() for name, factory in plans.items()}
-    # Plans grouped by the strategies that cannot be undone: each group is one build.
-    groups: dict[tuple, dict[str, list]] = {}
-    for name, strategies in built.items():
-        groups.setdefault(tuple(s.name for s in strategies if not s.revertible), {})[name] = strategies
     preds: dict[str, Any] = {}
-    baseline = None
     with _progress(progress, len(plans)) as advance:
-        for fixed, group in groups.items():
-            base = [s for s in next(iter(group.values())) if s.name in fixed]
-            report, got = simulate_plans(make_workload, group, gpu, steps=steps, base=base, advance=advance, jobs=jobs)
-            baseline = report if not fixed else baseline
-            preds.update(got)
+        baseline = _simulate_groups(make_workload, plans, gpu, steps, advance, jobs, preds)
+        if baseline is not None and not isinstance(preds["baseline"], Exception):
+            # Plans whose allocated memory fits but whose reserved memory does not: again with
+            # expandable segments, which take back most of what is reserved and not allocated.
+            extra = fragmented(preds, nbytes, margin)
+            if extra:
+                advance.more(len(extra))
+                _simulate_groups(make_workload, {n: plans[p] for n, p in extra.items()}, gpu, steps, advance, jobs,
+                                 preds, expandable=True)
+                plans = {**plans, **{n: _with_expandable(plans[p]) for n, p in extra.items()}}
     # One line per reason: a batch that accumulation cannot split fails every accumulation plan alike.
     failed: dict[str, list[str]] = {}
     for name, pred in preds.items():
@@ -671,6 +672,48 @@ def advise(
     rows = [(name, preds[name]) for name in plans if not isinstance(preds[name], Exception)]
     table = rank(rows, preds["baseline"], baseline, nbytes, margin)
     return Advice(nbytes, gpu, world_size, table, baseline, plans)
+
+
+def _simulate_groups(make_workload, plans: dict[str, PlanFactory], gpu: GPU, steps: int, advance, jobs,
+                     preds: dict, expandable: bool = False) -> Report | None:
+    """Simulate ``plans`` into ``preds``, grouped by the strategies that cannot be undone: each
+    group is one build (``expandable``: each with expandable segments added). Returns the report
+    of the step as it is, where a group has no such strategy."""
+    from memprof.strategies import ExpandableSegments
+
+    built = {name: factory() + [ExpandableSegments()] * expandable for name, factory in plans.items()}
+    groups: dict[tuple, dict[str, list]] = {}
+    for name, strategies in built.items():
+        groups.setdefault(tuple(s.name for s in strategies if not s.revertible), {})[name] = strategies
+    baseline = None
+    for fixed, group in groups.items():
+        base = [s for s in next(iter(group.values())) if s.name in fixed]
+        report, got = simulate_plans(make_workload, group, gpu, steps=steps, base=base, advance=advance, jobs=jobs)
+        baseline = report if not fixed else baseline
+        preds.update(got)
+    return baseline
+
+
+def fragmented(preds: dict, budget: int, margin: float) -> dict[str, str]:
+    """Plans that would fit by their allocated memory but not by their reserved memory, and
+    would be faster than every plan that fits, where expandable segments are not on already:
+    ``{"<plan>+expandable": "<plan>"}``. Slower ones could not change the advice."""
+    from memprof.caching import expandable_segments_configured
+
+    if expandable_segments_configured():
+        return {}
+    ok = {name: p for name, p in preds.items() if not isinstance(p, Exception)}
+    fastest = min((p.seconds for p in ok.values() if p.peak_reserved * (1 + margin) <= budget), default=float("inf"))
+    return {("expandable" if name == "baseline" else f"{name}+expandable"): name
+            for name, p in ok.items()
+            if "expandable" not in name.split("+") and p.seconds < fastest
+            and p.peak_allocated * (1 + margin) <= budget < p.peak_reserved * (1 + margin)}
+
+
+def _with_expandable(factory: PlanFactory) -> PlanFactory:
+    from memprof.strategies import ExpandableSegments
+
+    return lambda: [*factory(), ExpandableSegments()]
 
 
 def best_of(table: pd.DataFrame) -> str | None:
@@ -726,6 +769,9 @@ def _why(name: str, p, base, baseline: Report) -> str:
     share = f"{what} are {100 * peak.bytes[top] / total:.0f} % of the baseline peak"
     if name == "baseline":
         return f"{share} ({fmt_bytes(peak.allocated)} allocated at {peak.phase})"
+    if "expandable" in name.split("+"):
+        return (f"{share}; with expandable segments {name} reserves {fmt_bytes(p.peak_reserved - p.peak_allocated)} "
+                "more than it allocates at its peak")
     delta = base.peak_allocated - p.peak_allocated
     verb = "removes" if delta >= 0 else "adds"
     return f"{share}; {name} {verb} {fmt_bytes(abs(delta))} of peak allocated"
@@ -759,6 +805,12 @@ class _progress:
     def now(self, name: str) -> None:
         if self._bar is not None:
             self._bar.update(self._task, description=f"plans (now: {name})")
+
+    def more(self, n: int) -> None:
+        """``n`` plans more than first counted."""
+        self.total += n
+        if self._bar is not None:
+            self._bar.update(self._task, total=self.total)
 
     def __exit__(self, *exc):
         if self._bar is not None:
@@ -945,13 +997,17 @@ def _measure(make_workload, plan: PlanFactory, steps: int, warmup: int) -> dict:
 
     gc.collect()
     torch.cuda.empty_cache()
-    w = make_workload()
-    for s in plan():
-        s.apply(w)
-    out = measure_steps(w, steps, warmup)
-    del w
-    gc.collect()
-    torch.cuda.empty_cache()
+    strategies = plan()
+    with ExitStack() as building:
+        for s in strategies:  # the allocator's settings, before the build
+            building.enter_context(s.building())
+        w = make_workload()
+        for s in strategies:
+            s.apply(w)
+        out = measure_steps(w, steps, warmup)
+        del w
+        gc.collect()
+        torch.cuda.empty_cache()
     return out
 
 

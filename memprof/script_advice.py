@@ -50,7 +50,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .aten_args import leaves, tensors
-from .advisor import Advice, PlanFactory, _adjusted, _name, _progress, _spread, _step_view, default_plans, parse_budget, plan_table, rank
+from .advisor import (Advice, PlanFactory, _adjusted, _name, _progress, _spread, _step_view, _with_expandable,
+                      default_plans, fragmented, parse_budget, plan_table, rank)
 from .hooks import Shared
 from .devices import GPU, get_gpu
 from .report import Report
@@ -1354,19 +1355,28 @@ def advise_script(
     baseline.meta.update(schedule.units)
     if simulate:
         baseline.source = "simulate"
-    preds = {}
-    for name, strategies in built.items():
-        key = schedule.keys[name]
-        if key in schedule.views and name not in schedule.failed and name not in schedule.skipped:
-            if schedule.views[key].steps.empty:  # begun, but the script ended before its step did
-                schedule.failed[name] = "the script ended before this plan's step finished: run it for more steps"
-                continue
-            pred = _prediction(schedule.views[key], strategies, schedule.busy.get(key))
-            if key:  # a plan's step ran on an emptied cache; a run of it from its start would not (on_step)
-                pred = replace(pred, peak_reserved=pred.peak_reserved + schedule.cache_excess)
-            preds[name] = _adjusted(pred, strategies, baseline, gpu)
+    preds = _predictions(schedule, built, baseline, gpu)
     if "baseline" not in preds:  # every plan is ranked against it
         raise ScriptError(f"memprof could not take the script's step as it is: {schedule.failed.get('baseline')}")
+    extra = fragmented(preds, nbytes, margin) if simulate else {}
+    if extra:
+        # Plans whose allocated memory fits but whose reserved memory does not: the script again, with
+        # expandable segments from its start, for them (and its step as it is, which every run takes first).
+        from memprof.strategies import ExpandableSegments
+
+        again = {"baseline": [], **{p: built[p] for p in extra.values()}}
+        more = _Schedule(again, steps, simulate, advance)
+        with _progress(progress, len(again)) as advance, ExpandableSegments().building():
+            more.advance = advance
+            _run(more, path, args, gpu, simulate, timeout)
+        got = _predictions(more, again, baseline, gpu)
+        for name, plan in extra.items():
+            built[name] = [*built[plan], ExpandableSegments()]
+            plans = {**plans, name: _with_expandable(plans[plan])}
+            if plan in got:
+                preds[name] = got[plan]
+            elif plan in more.failed:
+                schedule.failed[name] = more.failed[plan]
     _coupled_batches(built, preds, schedule.skipped)
     table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin)
     return ScriptAdvice(nbytes, gpu, world_size, table, baseline, plans, script=str(path), simulated=simulate,
@@ -1378,6 +1388,22 @@ def advise_script(
 def _shape_order(shape: tuple) -> list:
     """Shapes in order, sizes by number, a nested tensor's symbolic ones (named) after them."""
     return [[(0, d) if isinstance(d, int) else (1, d) for d in sizes] for sizes in shape]
+
+
+def _predictions(schedule: "_Schedule", built: dict[str, list], baseline: Report, gpu: GPU) -> dict:
+    """Each plan's prediction from the steps ``schedule`` took, where its step finished."""
+    preds = {}
+    for name, strategies in built.items():
+        key = schedule.keys[name]
+        if key in schedule.views and name not in schedule.failed and name not in schedule.skipped:
+            if schedule.views[key].steps.empty:  # begun, but the script ended before its step did
+                schedule.failed[name] = "the script ended before this plan's step finished: run it for more steps"
+                continue
+            pred = _prediction(schedule.views[key], strategies, schedule.busy.get(key))
+            if key:  # a plan's step ran on an emptied cache; a run of it from its start would not (on_step)
+                pred = replace(pred, peak_reserved=pred.peak_reserved + schedule.cache_excess)
+            preds[name] = _adjusted(pred, strategies, baseline, gpu)
+    return preds
 
 
 def _coupled_batches(built: dict[str, list], preds: dict, skipped: dict[str, str]) -> None:
@@ -1519,6 +1545,8 @@ def _measure_plan(conn, script: str, args: list, strategies: list, facts: "Scrip
 
     try:
         with stack:
+            for strategy in strategies:  # the allocator's settings, before the script starts CUDA
+                stack.enter_context(strategy.building())
             r = observe_script(script, args, steps=steps, warmup=1, on_model=on_model)
     except Exception as exc:  # noqa: BLE001 - reported in the plan's row
         conn.send({"error": f"{type(exc).__name__}: {exc}"})

@@ -6,6 +6,7 @@ list of strategies. See :mod:`memprof.advisor` for choosing one.
 """
 
 from .accumulation import Accumulation
+from .allocator import ExpandableSegments
 from .base import Prediction, Strategy
 from .checkpointing import Checkpointing, find_blocks
 from .mixed_precision import Autocast, PureBF16
@@ -17,6 +18,7 @@ __all__ = [
     "ActivationOffload",
     "Autocast",
     "Checkpointing",
+    "ExpandableSegments",
     "Prediction",
     "PureBF16",
     "StateOffload",

@@ -3,6 +3,7 @@ single-process simulation of it cannot show."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -76,6 +77,11 @@ class Strategy:
         """What tells this strategy's simulated step from another's: plans whose strategies have
         the same keys share one simulated step. Its name, and any setting the name leaves out."""
         return self.name
+
+    def building(self) -> contextlib.AbstractContextManager:
+        """What must hold from before the workload (or script) is built to the end of its run,
+        such as the allocator's settings; by default nothing."""
+        return contextlib.nullcontext()
 
     def apply(self, workload: Workload) -> None:
         """Change ``workload`` (and its model) in place, with PyTorch's own engines."""

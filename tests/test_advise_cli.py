@@ -625,6 +625,36 @@ def test_an_accumulation_plan_peaks_as_the_script_accumulating_does(tmp_path):
         assert predicted[f"accum{k}"] == json.loads(out.read_text())["steps"][-1]["peak_allocated"]
 
 
+def test_a_step_that_fits_only_by_its_allocated_memory_runs_again_with_expandable_segments(tmp_path):
+    """The script's step allocates less than the budget (with the 5 % margin) but reserves more: the
+    script runs again from its start with expandable segments, and the plan "expandable" is that
+    run's step, as memprof track measures the script with PYTORCH_CUDA_ALLOC_CONF set."""
+    script, advice = tmp_path / "train.py", tmp_path / "advice.json"
+    script.write_text(ACCUMULATING)
+    track = {}
+    for setting in ("", "expandable_segments:True"):
+        out = tmp_path / f"track-{bool(setting)}.json"
+        r = memprof("track", script, "--target", "h200", "--steps", "3", "--json", out,
+                    env={"PYTORCH_CUDA_ALLOC_CONF": setting})
+        assert r.returncode == 0, r.stderr
+        track[setting] = json.loads(out.read_text())["steps"][-1]
+    allocated, reserved = track[""]["peak_allocated"], track[""]["peak_reserved"]
+    budget = int(allocated * 1.05) + 1
+    assert budget < reserved * 1.05
+    r = memprof("advise", script, "--target", "h200", "--budget", budget, "--json", advice,
+                env={"PYTORCH_CUDA_ALLOC_CONF": ""})
+    assert r.returncode == 0, r.stderr
+    data = json.loads(advice.read_text())
+    check_schema(data)
+    plans = {p["plan"]: p for p in data["plans"]}
+    assert (plans["baseline"]["peak_allocated"], plans["baseline"]["peak_reserved"]) == (allocated, reserved)
+    expandable = track["expandable_segments:True"]
+    assert (plans["expandable"]["peak_allocated"], plans["expandable"]["peak_reserved"]) == (
+        expandable["peak_allocated"], expandable["peak_reserved"])
+    assert plans["expandable"]["seconds"] == plans["baseline"]["seconds"]
+    assert "with expandable segments expandable reserves" in plans["expandable"]["why"]
+
+
 VARYING = """\
 import torch, torch.nn as nn
 model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).cuda()

@@ -126,7 +126,14 @@ def test_advise_ranks_fastest_fitting_first(advice, predictions):
     t = advice.table
     assert list(t.columns) == ["peak_allocated", "peak_reserved", "fits", "seconds", "slowdown", "device_share", "why"]
     assert ((t["device_share"] > 0) & (t["device_share"] <= 1)).all()
-    assert t.index.name == "plan" and set(t.index) == set(default_plans())
+    plain = t[["expandable" not in n.split("+") for n in t.index]]
+    assert t.index.name == "plan" and set(plain.index) == set(default_plans())
+    # Plans faster than every plan that fits, which fit by their allocated memory but not by their
+    # reserved memory, are simulated again with expandable segments (the test below).
+    fastest = plain[plain["fits"]]["seconds"].min()
+    again = {f"{n}+expandable" for n, r in plain.iterrows()
+             if r["peak_allocated"] <= advice.budget < r["peak_reserved"] and r["seconds"] < fastest}
+    assert set(t.index) - set(plain.index) == again
     assert advice.budget == bf16_ckpt.peak_reserved and advice.gpu is H100 and advice.world_size == 1
     # A plan fits when its predicted peak reserved is within the budget (margin 0).
     assert (t["fits"] == (t["peak_reserved"] <= advice.budget)).all()
@@ -284,7 +291,7 @@ def test_a_measured_steps_spread_is_slowest_less_fastest_over_the_median():
 
 
 def test_advice_is_an_advice(advice):
-    assert isinstance(advice, Advice) and advice.plans.keys() == default_plans().keys()
+    assert isinstance(advice, Advice) and advice.plans.keys() == set(default_plans()) | set(advice.table.index)
 
 
 def test_max_batch_size_with_micro_batches_tries_multiples():
@@ -723,3 +730,31 @@ def test_why_names_the_temporaries_where_they_are_the_most():
     share = 100 * peak.bytes["temporaries"] / peak.allocated
     assert advice.table.loc["bf16", "why"].startswith(
         f"temporaries (what no module saves: the loss's tensors, the model's output) are {share:.0f} % of the baseline peak")
+
+
+def test_a_plan_that_fits_only_by_its_allocated_memory_is_simulated_again_with_expandable_segments(monkeypatch):
+    """The step as it is allocates less than the budget but reserves more (cached blocks no request
+    fits): it is simulated again with expandable segments from its build on, as a plan of its own,
+    equal to a simulation of that plan by itself. A slower plan is not: it could not change the advice."""
+    from memprof.strategies import ExpandableSegments
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    base = simulate_plan(ff_workload, list, H100)
+    assert base.peak_allocated < base.peak_reserved
+    plans = {n: f for n, f in default_plans().items() if n in ("baseline", "ckpt")}
+    a = advise(ff_workload, base.peak_allocated, target="h100", margin=0.0, plans=plans, progress=False)
+    alone = simulate_plan(ff_workload, lambda: [ExpandableSegments()], H100)
+    t = a.table
+    assert set(t.index) == {"baseline", "ckpt", "expandable"}  # not ckpt+expandable: slower than baseline
+    assert (t.loc["expandable", "peak_reserved"], t.loc["expandable", "peak_allocated"]) == (
+        alone.peak_reserved, alone.peak_allocated)
+    assert t.loc["expandable", "peak_reserved"] != base.peak_reserved
+    assert t.loc["expandable", "seconds"] == t.loc["baseline", "seconds"]  # no operator changes
+    assert [type(s) for s in a.plans["expandable"]()] == [ExpandableSegments]
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in __import__("os").environ  # put back after the build
+    # Where the user runs with expandable segments already, every plan is simulated with them.
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    b = advise(ff_workload, base.peak_allocated, target="h100", margin=0.0, plans=plans, progress=False)
+    assert set(b.table.index) == {"baseline", "ckpt"}
+    assert b.table.loc["baseline", "peak_reserved"] == alone.peak_reserved
