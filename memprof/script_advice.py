@@ -52,6 +52,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .aten_args import leaves, tensors
 from .advisor import (Advice, PlanFactory, _adjusted, _name, _progress, _spread, _step_view, _with_expandable,
                       default_plans, fragmented, parse_budget, plan_table, rank)
+from .caching import expandable_segments_configured
 from .hooks import Shared
 from .devices import GPU, get_gpu
 from .report import Report
@@ -538,6 +539,9 @@ class ScriptFacts:
     #: The custom autograd Function whose backward runs the recomputed modules (reversible
     #: layers' ``_ReversibleFunction``, an ODE adjoint), where not ``torch.utils.checkpoint``.
     recomputed_by: str = ""
+    #: Whether the caching allocator runs with expandable segments (PYTORCH_CUDA_ALLOC_CONF, often set
+    #: in the script's own first lines).
+    expandable_segments: bool = False
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, **facts: Any) -> "ScriptFacts":
@@ -556,8 +560,9 @@ class ScriptFacts:
             frozen += 0 if p.requires_grad else p.numel()
         name = "none" if optimizer is None else type(optimizer).__name__ + "".join(
             f"({type(o).__name__})" for o in _wrapped(optimizer)[:1])  # a wrapper's base: Lookahead(RAdam)
-        return cls(optimizer=name, implementation=impl,
-                   parameters=counts, frozen=frozen, checkpointing_switch=_checkpointing_switch(model), **facts)
+        return cls(optimizer=name, implementation=impl, parameters=counts, frozen=frozen,
+                   checkpointing_switch=_checkpointing_switch(model), expandable_segments=_expandable_segments(),
+                   **facts)
 
     @property
     def compute(self) -> str:
@@ -587,11 +592,22 @@ class ScriptFacts:
         ]
         if self.batch:
             out.append("batch: " + ", ".join(f"{k} {tuple(shape)} {d}" for k, (shape, d) in self.batch.items()))
+        if self.expandable_segments:
+            out.append("allocator: expandable segments")
         if self.also_trains:
             out.append(f"also trains: {', '.join(self.also_trains)}, outside the model (the plans are for the model "
                        "alone; the other's weights and gradients count as other_models, its optimizer's state as "
                        "temporaries)")
         return out
+
+
+def _expandable_segments() -> bool:
+    """Whether the allocator the script runs on has expandable segments, as set by now: the simulated
+    allocator's setting, else the environment PyTorch read it from."""
+    from .virtual_cuda import current
+
+    model = getattr(getattr(current(), "allocator", None), "model", None)
+    return model.expandable_segments if model is not None else expandable_segments_configured()
 
 
 def _checkpointing_switch(model: nn.Module) -> str:
@@ -1358,7 +1374,8 @@ def advise_script(
     preds = _predictions(schedule, built, baseline, gpu)
     if "baseline" not in preds:  # every plan is ranked against it
         raise ScriptError(f"memprof could not take the script's step as it is: {schedule.failed.get('baseline')}")
-    extra = fragmented(preds, nbytes, margin) if simulate else {}
+    asked = schedule.facts is not None and schedule.facts.expandable_segments  # by the script itself
+    extra = fragmented(preds, nbytes, margin) if simulate and not asked else {}
     if extra:
         # Plans whose allocated memory fits but whose reserved memory does not: the script again, with
         # expandable segments from its start, for them (and its step as it is, which every run takes first).

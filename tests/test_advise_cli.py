@@ -46,7 +46,7 @@ def check_schema(data: dict) -> None:
     assert data["script_does"] is None or set(data["script_does"]) == {
         "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch",
         "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing", "carried_state", "idle_blocks",
-        "recomputed_by"}
+        "recomputed_by", "expandable_segments"}
     assert isinstance(data["cache_excess_bytes"], int) and data["cache_excess_bytes"] >= 0
     assert isinstance(data["evaluation_peak_allocated_bytes"], int) and data["evaluation_peak_allocated_bytes"] >= 0
     assert isinstance(data["varying_batch_shapes"], list)
@@ -653,6 +653,16 @@ def test_a_step_that_fits_only_by_its_allocated_memory_runs_again_with_expandabl
         expandable["peak_allocated"], expandable["peak_reserved"])
     assert plans["expandable"]["seconds"] == plans["baseline"]["seconds"]
     assert "with expandable segments expandable reserves" in plans["expandable"]["why"]
+    assert data["script_does"]["expandable_segments"] is False
+    # A script that asks for them in its first lines runs every plan with them, and is told so.
+    script.write_text('import os\nos.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"\n' + ACCUMULATING)
+    r = memprof("advise", script, "--target", "h200", "--budget", budget, "--json", advice,
+                env={"PYTORCH_CUDA_ALLOC_CONF": ""})
+    assert r.returncode == 0, r.stderr
+    data = json.loads(advice.read_text())
+    plans = {p["plan"]: p for p in data["plans"]}
+    assert data["script_does"]["expandable_segments"] is True and "allocator: expandable segments" in r.stdout
+    assert "expandable" not in plans and plans["baseline"]["peak_reserved"] == expandable["peak_reserved"]
 
 
 VARYING = """\
