@@ -181,6 +181,8 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "tabnet-ghost-bn": (".", "tabnet_ghost_bn.py", ["--steps", "10"], ()),
     "neural-ode-adjoint": (".", "neural_ode_adjoint.py", ["--steps", "10"], ()),
     "swa-cifar": (".", "swa_cifar.py", ["--steps", "10"], ()),
+    "autoresearch-gpt": (".", "autoresearch_gpt.py", ["--steps", "10"], ()),
+    "varlen-finetune": (".", "varlen_finetune.py", ["--steps", "10"], ()),
 }
 
 

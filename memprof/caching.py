@@ -97,8 +97,11 @@ __all__ = [
     "K_MIN_LARGE_ALLOC",
     "K_ROUND_LARGE",
     "EXPANDABLE_ADDRESS_SPACE",
+    "UNMODELLED",
+    "allocator_settings",
     "expandable_segments_configured",
     "expandable_segments_setting",
+    "unmodelled_settings",
 ]
 
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
@@ -136,13 +139,21 @@ def get_allocation_size(size: int) -> int:
     return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
 
 
-def expandable_segments_configured(environ=None) -> bool:
-    """Whether PyTorch's allocator would run with ``expandable_segments``, from the
-    environment it reads at CUDA's initialisation: ``PYTORCH_CUDA_ALLOC_CONF``, else
-    the newer, device-neutral ``PYTORCH_ALLOC_CONF`` (``CUDAAllocatorConfig::instance``)."""
+def allocator_settings(environ=None) -> tuple[str, str]:
+    """The allocator settings PyTorch reads at CUDA's initialisation, and the variable they came from:
+    ``PYTORCH_CUDA_ALLOC_CONF``, else the newer, device-neutral ``PYTORCH_ALLOC_CONF``
+    (``CUDAAllocatorConfig::instance``); ``("", "")`` where neither is set."""
     environ = os.environ if environ is None else environ
-    name = "PYTORCH_CUDA_ALLOC_CONF" if "PYTORCH_CUDA_ALLOC_CONF" in environ else "PYTORCH_ALLOC_CONF"
-    return bool(expandable_segments_setting(environ.get(name, ""), name))
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if name in environ:
+            return environ[name], name
+    return "", ""
+
+
+def expandable_segments_configured(environ=None) -> bool:
+    """Whether PyTorch's allocator would run with ``expandable_segments``, from the environment
+    (:func:`allocator_settings`)."""
+    return bool(expandable_segments_setting(*allocator_settings(environ)))
 
 
 def expandable_segments_setting(settings: str, name: str = "allocator settings") -> bool | None:
@@ -150,8 +161,7 @@ def expandable_segments_setting(settings: str, name: str = "allocator settings")
     None where it is not set. As ``AllocatorConfig::parseArgs`` (c10/core/AllocatorConfig.cpp) reads it: spaces
     are ignored, the last setting wins, and a value other than ``True`` or ``False`` raises ``RuntimeError``."""
     expandable = None
-    for item in settings.replace(" ", "").split(","):
-        key, _, value = item.partition(":")
+    for key, value in _items(settings):
         if key == "expandable_segments":
             if value not in ("True", "False"):
                 raise RuntimeError(
@@ -159,6 +169,32 @@ def expandable_segments_setting(settings: str, name: str = "allocator settings")
                     f"got {value!r} (PyTorch's own error at CUDA's initialisation); write expandable_segments:True")
             expandable = value == "True"
     return expandable
+
+
+#: Settings that change what the device allocator reserves, which the model does not follow.
+UNMODELLED = ("max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
+              "garbage_collection_threshold")
+
+
+def unmodelled_settings(settings: str) -> list[str]:
+    """The settings in ``settings`` that change what PyTorch's device allocator reserves and that this model
+    does not follow (:data:`UNMODELLED`, and a backend other than the native one), as written."""
+    return [f"{key}:{value}" for key, value in _items(settings)
+            if key in UNMODELLED or key == "backend" and value != "native"]
+
+
+def _items(settings: str) -> list[tuple[str, str]]:
+    """``key:value`` items of a settings string, spaces left out (a bracketed list stays one value)."""
+    items, depth, item = [], 0, ""
+    for ch in settings.replace(" ", ""):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            items.append(item)
+            item = ""
+        else:
+            item += ch
+    items.append(item)
+    return [tuple(i.partition(":")[::2]) for i in items if i]
 
 
 def _fmt(nbytes: int) -> str:

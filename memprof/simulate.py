@@ -32,7 +32,8 @@ from torch.utils.flop_counter import flop_registry
 
 from .allocator import Counters, cublas_workspace_bytes
 from .aten_args import decomposes, tensors
-from .caching import CachingAllocatorModel, expandable_segments_configured, expandable_segments_setting
+from .caching import (CachingAllocatorModel, allocator_settings, expandable_segments_setting,
+                      unmodelled_settings)
 from .cudnn import CONVOLUTIONS, cudnn_layout, tf32_allowed
 from .devices import GPU, get_gpu
 from .meta_kernels import PLAIN_TENSORS, KernelCache
@@ -240,6 +241,8 @@ class SimulatedAllocator(TorchDispatchMode):
         self.script_meta = None
         # Whether the allocator's settings were read (at the first allocation, as PyTorch reads them).
         self._configured = False
+        #: Where to say what runs differently here (``VirtualCUDA._note``: what, why), once a device is.
+        self.note: Callable[[str, str], None] | None = None
 
     @property
     def seconds(self) -> float:
@@ -410,17 +413,21 @@ class SimulatedAllocator(TorchDispatchMode):
         if not self._configured:
             # PyTorch reads its allocator's settings at CUDA's first use, after a script's own
             # first lines (os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ...) have run.
-            self._configured = True
-            self.model.expandable_segments = expandable_segments_configured()
+            self.set_allocator_settings(*allocator_settings())
         return self._model_call(self.model.malloc, nbytes, event=lambda handle: ("m", handle, nbytes))
 
-    def set_allocator_settings(self, settings: str) -> None:
+    def set_allocator_settings(self, settings: str, name: str = "_set_allocator_settings") -> None:
         """``torch.cuda.memory._set_allocator_settings``: ``expandable_segments`` switched for the
-        segments made from now on, where ``settings`` names it."""
-        expandable = expandable_segments_setting(settings, "_set_allocator_settings")
+        segments made from now on, where ``settings`` names it; settings the model does not follow
+        are noted (:attr:`note`)."""
+        expandable = expandable_segments_setting(settings, name)
         self._configured = True
         if expandable is not None:
             self.model.expandable_segments = expandable
+        unmodelled = unmodelled_settings(settings)
+        if unmodelled and self.note is not None:
+            self.note("allocator settings", f"{', '.join(unmodelled)} ({name}) not modelled: reserved memory as "
+                      "PyTorch's allocator reserves it without them")
 
     def free(self, handle: int) -> None:
         """Free the allocator model's block ``handle`` (one no tensor holds: a replayed

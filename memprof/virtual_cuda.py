@@ -618,6 +618,8 @@ class VirtualCUDA:
         self.meta_tensors = MetaTensors() if script_meta else None
         if allocator is not None:
             allocator.script_meta = self.meta_tensors
+            if hasattr(allocator, "note"):
+                allocator.note = self._note
         # The device block a torch.set_default_device("cuda") of the script left in force (meta, here).
         self._simulated_default: Any = None
         self.runtime = CudaRuntime(self.gpu, allocator)

@@ -749,3 +749,16 @@ def test_expandable_segments_setting_is_read_as_pytorch_reads_it(environ, expect
 def test_expandable_segments_setting_other_than_true_or_false_is_pytorchs_error():
     with pytest.raises(RuntimeError, match="expected a single True/False argument for expandable_segments, got 'true'"):
         caching.expandable_segments_configured({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:true"})
+
+
+@pytest.mark.parametrize("settings,unmodelled", [
+    ("expandable_segments:True", []),
+    ("backend:native,expandable_segments:True,pinned_use_cuda_host_register:True", []),
+    ("max_split_size_mb:128, garbage_collection_threshold:0.6", ["max_split_size_mb:128",
+                                                                 "garbage_collection_threshold:0.6"]),
+    ("roundup_power2_divisions:[256:1,512:2,>:8],expandable_segments:False",
+     ["roundup_power2_divisions:[256:1,512:2,>:8]"]),
+    ("backend:cudaMallocAsync", ["backend:cudaMallocAsync"]),
+])
+def test_settings_the_model_does_not_follow_are_named(settings, unmodelled):
+    assert caching.unmodelled_settings(settings) == unmodelled

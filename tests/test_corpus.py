@@ -245,7 +245,8 @@ def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
                                   "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier", "fsdp2-llama",
                                   "prefetch-classifier", "dcgan", "conformer-asr", "hf-detr-matcher", "wav2vec2-ctc",
                                   "dino-multicrop", "kge-sparse-adam", "rwkv-tbptt", "raft-flow",
-                                  "reformer-reversible", "tabnet-ghost-bn", "swa-cifar"])
+                                  "reformer-reversible", "tabnet-ghost-bn", "swa-cifar", "autoresearch-gpt",
+                                  "varlen-finetune"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -286,6 +287,8 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert not advice["failed"] and advice["evaluation_peak_allocated_bytes"] == 0
         peaks = {p["plan"]: p["peak_allocated"] for p in advice["plans"]}
         assert peaks["accum8"] < peaks["accum4"] < peaks["accum2"] < peaks["baseline"]
+    if does["expandable_segments"]:  # every plan ran with them; none is offered again with them
+        assert not any("expandable" in p.split("+") for p in plans)
     if name == "kge-sparse-adam":  # FSDP2 reduces no sparse gradient
         assert "makes sparse gradients (sparse=True)" in advice["failed"]["offload_states"]
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
@@ -306,6 +309,9 @@ WHAT_IT_DOES = {
     "prefetch-classifier": {"autocast": "fp16", "batch": {"input": [[8, 3, 32, 32], "fp32"]}, "also_trains": []},
     # the discriminator steps first: its model is advised; the generator's 146,032 parameters are named
     "dcgan": {"optimizer": "Adam", "also_trains": ["Adam over 0.15 M parameters"]},
+    # each turns expandable segments on in its first lines (PYTORCH_ALLOC_CONF; PYTORCH_CUDA_ALLOC_CONF by setdefault)
+    "autoresearch-gpt": {"autocast": "bf16", "micro_batches": 2, "expandable_segments": True},
+    "varlen-finetune": {"autocast": "fp16", "micro_batches": 1, "expandable_segments": True},
 }
 
 

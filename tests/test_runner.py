@@ -860,6 +860,22 @@ def test_expandable_segments_asked_for_by_the_script_are_simulated(tmp_path, cle
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # the script's setting is not the next run's
 
 
+def test_allocator_settings_that_are_not_modelled_are_noted(tmp_path, clean):
+    source = """
+        import os
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+        import torch
+        model = torch.nn.Linear(256, 256).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(10):
+            model(torch.randn(64, 256, device="cuda")).sum().backward(); opt.step(); opt.zero_grad()
+    """
+    report = observe_script(write(tmp_path, source), steps=2, target="h200")
+    assert report.meta["simulation_notes"]["allocator settings"] == (
+        "max_split_size_mb:128 (PYTORCH_CUDA_ALLOC_CONF) not modelled: reserved memory as PyTorch's allocator "
+        "reserves it without them")
+
+
 # pytorch/examples' word language model and the "what is torch.nn really" tutorial train
 # without a torch.optim optimizer: the update is the script's own.
 MANUAL = {
