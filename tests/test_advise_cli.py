@@ -1892,6 +1892,22 @@ def test_every_plan_carries_the_cache_layout_the_scripts_first_step_leaves(tmp_p
     assert advice.cache_excess == 40 * MiB
     # the checkpointed step alone, on an emptied cache: 790 MiB; the script's step: 1014 MiB
     assert advice.table["peak_reserved"].to_dict() == {"baseline": 1014 * MiB, "ckpt": 790 * MiB + 40 * MiB}
+    # --verify's run of a plan (here on the simulated H200 in place of a GPU): the script's first step as
+    # it is, then the plan on the emptied cache, as the prediction's step ran; the step as it is, whole.
+    import functools
+    import multiprocessing
+
+    from memprof import script_advice
+    from memprof.runner import observe_script
+
+    measured = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(script_advice, "observe_script", functools.partial(observe_script, target="h200"))
+        for name in ("baseline", "ckpt"):
+            ours, theirs = multiprocessing.Pipe(duplex=False)
+            script_advice._measure_plan(theirs, str(script), [], advice.plans[name](), advice.facts, 3)
+            measured[name] = ours.recv()["peak_reserved"]
+    assert measured == {"baseline": 1014 * MiB, "ckpt": 790 * MiB}
 
 
 def test_a_module_every_layer_shares_is_not_checkpointed_apart():
