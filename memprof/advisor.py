@@ -653,7 +653,7 @@ def advise(
         baseline = _simulate_groups(make_workload, plans, gpu, steps, advance, jobs, preds)
         if baseline is not None and not isinstance(preds["baseline"], Exception):
             # Plans whose allocated memory fits but whose reserved memory does not: again with
-            # expandable segments, which take back most of what is reserved and not allocated.
+            # expandable segments, which may reserve less (not always: strategies/allocator.py).
             extra = fragmented(preds, nbytes, margin)
             if extra:
                 advance.more(len(extra))

@@ -1382,7 +1382,7 @@ def advise_script(
         from memprof.strategies import ExpandableSegments
 
         again = {"baseline": [], **{p: built[p] for p in extra.values()}}
-        more = _Schedule(again, steps, simulate, advance)
+        more = _Schedule(again, steps, simulate, None)
         with _progress(progress, len(again)) as advance, ExpandableSegments().building():
             more.advance = advance
             _run(more, path, args, gpu, simulate, timeout)
