@@ -64,8 +64,8 @@ the large one. ``memory_reserved`` counts the mapped pages only.
   touch it), nor does :attr:`CachingAllocatorModel.num_segments`.
 
 Not modelled: other streams and ``record_stream`` (blocks are never held by
-pending events), CUDA graph private pools, ``max_split_size_mb``, ``roundup_power2_divisions``, garbage collection, and
-the real device's own limits (CUDA context, other processes, fragmentation of
+pending events), CUDA graph private pools, ``max_split_size_mb``,
+``roundup_power2_divisions``, garbage collection, and the real device's own limits (CUDA context, other processes, fragmentation of
 device memory): ``capacity`` behaves like
 ``torch.cuda.set_per_process_memory_fraction``'s limit
 (``total_allocated_memory + size > allowed_memory_maximum``). With expandable segments,

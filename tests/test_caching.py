@@ -1,8 +1,8 @@
 """Tests of the caching-allocator model (memprof/caching.py).
 
 Every expectation is derived by hand from the rules of
-c10/cuda/CUDACachingAllocator.cpp (default configuration); the comment next to
-each one names the rule.
+c10/cuda/CUDACachingAllocator.cpp (its default configuration, then expandable
+segments); the comment next to each one names the rule.
 """
 
 from __future__ import annotations
