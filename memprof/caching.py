@@ -65,13 +65,13 @@ the large one. ``memory_reserved`` counts the mapped pages only.
 
 Not modelled: other streams and ``record_stream`` (blocks are never held by
 pending events), CUDA graph private pools, ``max_split_size_mb``,
-``roundup_power2_divisions``, garbage collection, and the real device's own limits (CUDA context, other processes, fragmentation of
-device memory): ``capacity`` behaves like
-``torch.cuda.set_per_process_memory_fraction``'s limit
-(``total_allocated_memory + size > allowed_memory_maximum``). With expandable segments,
-``capacity`` is the physical memory the device can map (``cuMemCreate``
-failing), not a ``set_per_process_memory_fraction`` limit, whose check uses
-``get_allocation_size`` instead. Addresses are synthetic (each new segment
+``roundup_power2_divisions``, garbage collection, and the real device's own
+limits (CUDA context, other processes, fragmentation of device memory):
+``capacity`` behaves like ``torch.cuda.set_per_process_memory_fraction``'s
+limit (``total_allocated_memory + size > allowed_memory_maximum``). With
+expandable segments, ``capacity`` is the physical memory the device can map
+(``cuMemCreate`` failing), not a ``set_per_process_memory_fraction`` limit,
+whose check uses ``get_allocation_size`` instead. Addresses are synthetic (each new segment
 above the previous ones; an expandable segment reserves
 :data:`EXPANDABLE_ADDRESS_SPACE`), so among free blocks of equal size the model
 may pick a different one than the device would.
