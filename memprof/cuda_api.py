@@ -114,8 +114,7 @@ class CudaRuntime:
             "memory_summary": lambda device=None, abbreviated=False: vc.memory_summary(),
             "mem_get_info": lambda device=None: vc.mem_get_info(),
             "set_per_process_memory_fraction": lambda fraction, device=None: None,
-            "_set_allocator_settings": lambda settings: getattr(
-                self.allocator, "set_allocator_settings", _nothing)(settings),
+            "_set_allocator_settings": self.set_allocator_settings,
             "utilization": lambda device=None: 100,
             "list_gpu_processes": lambda device=None: f"GPU:0 (simulated {gpu.name})\nno processes are running",
             **LEGACY_TYPES,
@@ -150,6 +149,11 @@ class CudaRuntime:
             **self._memory(),
             "get_memory_info": _ignoring_args(vc.mem_get_info),
         }
+
+    def set_allocator_settings(self, settings: str) -> None:
+        """``torch.cuda.memory._set_allocator_settings`` and ``torch._C._accelerator_setAllocatorSettings``:
+        the simulated allocator's settings (expandable segments), from now on."""
+        getattr(self.allocator, "set_allocator_settings", lambda settings: None)(settings)
 
     def _memory(self) -> dict[str, Any]:
         """Memory queries that torch.cuda and torch.accelerator share, answered by the simulated allocator."""

@@ -675,6 +675,9 @@ class VirtualCUDA:
                             stack.enter_context(_replace(module, attr, fn))
             # torch.distributed (FSDP's default mesh, the default backend per device) asks C++.
             stack.enter_context(_replace(torch._C, "_get_accelerator", lambda check=False: torch.device("cuda")))
+            if hasattr(torch._C, "_accelerator_setAllocatorSettings"):  # what _set_allocator_settings calls
+                stack.enter_context(_replace(torch._C, "_accelerator_setAllocatorSettings",
+                                             self.runtime.set_allocator_settings))
             for attr, fn in TENSOR_API.items():
                 stack.enter_context(_replace(torch.Tensor, attr, fn))
             # Checkpointing compares what forward saved (recorded in autograd's hooks,

@@ -52,7 +52,7 @@ class ExpandableSegments(Strategy):
         os.environ[name] = ",".join(filter(None, [saved[name], _SETTING]))  # the last setting wins
         live = torch.cuda.is_available() and torch.cuda.is_initialized()
         if live:
-            torch.cuda.memory._set_allocator_settings(_SETTING)
+            _set_allocator_settings(_SETTING)
         try:
             yield
         finally:
@@ -62,8 +62,7 @@ class ExpandableSegments(Strategy):
                 else:
                     os.environ[key] = value
             if live:
-                torch.cuda.memory._set_allocator_settings(
-                    f"expandable_segments:{expandable_segments_configured()}")
+                _set_allocator_settings(f"expandable_segments:{expandable_segments_configured()}")
 
     def apply(self, workload: Workload) -> None:
         # Nothing in the step changes; the setting is :meth:`building`'s, before the build.
@@ -74,3 +73,10 @@ class ExpandableSegments(Strategy):
         return ("start training with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment (or "
                 "os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True' before CUDA starts): the "
                 "allocator grows its segments in pages instead of reserving one per large request")
+
+
+def _set_allocator_settings(settings: str) -> None:
+    """The running allocator's settings: ``torch._C._accelerator_setAllocatorSettings`` where torch has it
+    (``torch.cuda.memory._set_allocator_settings`` calls it, with a deprecation warning), else the latter."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(settings)

@@ -839,6 +839,9 @@ def test_bad_arguments(mlp_script, kw, clean):
     ('os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"', 106954752),
     ('os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"', 106954752),
     ('import torch; torch.cuda.memory._set_allocator_settings("expandable_segments:True")', 106954752),
+    pytest.param('import torch; torch._C._accelerator_setAllocatorSettings("expandable_segments:True")', 106954752,
+                 marks=pytest.mark.skipif(not hasattr(torch._C, "_accelerator_setAllocatorSettings"),
+                                          reason="torch has no _accelerator_setAllocatorSettings")),
 ])
 def test_expandable_segments_asked_for_by_the_script_are_simulated(tmp_path, clean, setting, reserved):
     """A script that asks for expandable segments (often in its own first lines) gets them: its
