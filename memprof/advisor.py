@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import pandas as pd
 import torch
 
+from .caching import expandable_segments_configured
 from .categories import Category
 from .devices import GPU, get_gpu
 from .parallel import can_fork, default_jobs, run_forked
@@ -698,8 +699,6 @@ def fragmented(preds: dict, budget: int, margin: float) -> dict[str, str]:
     """Plans that would fit by their allocated memory but not by their reserved memory, and
     would be faster than every plan that fits, where expandable segments are not on already:
     ``{"<plan>+expandable": "<plan>"}``. Slower ones could not change the advice."""
-    from memprof.caching import expandable_segments_configured
-
     if expandable_segments_configured():
         return {}
     ok = {name: p for name, p in preds.items() if not isinstance(p, Exception)}
