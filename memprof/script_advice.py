@@ -548,11 +548,7 @@ class ScriptFacts:
         """The facts ``model`` and ``optimizer`` show by themselves (the optimizer's
         implementation, the parameters by dtype and those frozen), and ``facts``.
         No optimizer: the script updates the parameters itself (memprof.manual_steps)."""
-        d = optimizer.defaults if optimizer is not None else {}
-        # An optimizer without a foreach option (SparseAdam, LBFGS, Hugging Face's Adafactor) loops.
-        impl = "the script updates the parameters itself" if optimizer is None else "fused" if d.get("fused") else (
-            "foreach" if d.get("foreach") else
-            "for-loop" if d.get("foreach") is False or "foreach" not in d else "default: foreach on CUDA")
+        impl = "the script updates the parameters itself" if optimizer is None else _implementation(optimizer)
         counts: dict[str, int] = {}
         frozen = 0
         for p in model.parameters():
@@ -574,6 +570,14 @@ class ScriptFacts:
         """Samples per forward: the first dimension of its first tensor argument."""
         return next((shape[0] for shape, _ in self.batch.values() if shape), None)
 
+    @property
+    def _optimizers(self) -> str:
+        """Each optimizer with its implementation: "AdamW (fused) + Muon (for-loop)"."""
+        names, impls = self.optimizer.split(" + "), self.implementation.split(" + ")
+        if len(names) != len(impls):
+            return f"{self.optimizer} ({self.implementation})"
+        return " + ".join(f"{n} ({i})" for n, i in zip(names, impls))
+
     def lines(self) -> list[str]:
         """One short line per fact, for the header of the advice."""
         params = ", ".join(f"{n / 1e6:.2f} M {d}" for d, n in self.parameters.items()) or "none"
@@ -585,7 +589,7 @@ class ScriptFacts:
             f"checkpointed: {', '.join(_short_list(self.checkpointed)) if self.checkpointed else 'nothing'}"
             + (" (selective: its policy keeps some operators' outputs)" if self.selective_checkpointing else "")
             + (f" (run again inside {self.recomputed_by})" if self.recomputed_by else ""),
-            f"optimizer: {self.optimizer} ({self.implementation})" if not self.in_backward else
+            f"optimizer: {self._optimizers}" if not self.in_backward else
             f"optimizer: {self.in_backward} x {self.optimizer} ({self.implementation}), stepped in backward as each "
             "gradient is made",
             f"parameters: {params}" + (f", {self.frozen / 1e6:.2f} M frozen" if self.frozen else ""),
@@ -599,6 +603,14 @@ class ScriptFacts:
                        "alone; the other's weights and gradients count as other_models, its optimizer's state as "
                        "temporaries)")
         return out
+
+
+def _implementation(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's implementation as its defaults choose it. An optimizer without a foreach
+    option (SparseAdam, LBFGS, Hugging Face's Adafactor) loops."""
+    d = optimizer.defaults
+    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else (
+        "for-loop" if d.get("foreach") is False or "foreach" not in d else "default: foreach on CUDA")
 
 
 def _expandable_segments() -> bool:
@@ -793,6 +805,7 @@ class _Watch:
             # Over the model's other parameters (Muon beside AdamW; one per parameter, stepped in backward)
             if type(opt).__name__ not in self.facts.optimizer.split(" + "):
                 self.facts.optimizer += f" + {type(opt).__name__}"
+                self.facts.implementation += f" + {_implementation(opt)}"
             return
         # (An optimizer of the host's parameters, a large embedding table kept in host memory while the
         # model trains on the GPU, takes no GPU memory.)

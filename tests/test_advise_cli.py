@@ -1259,15 +1259,16 @@ def test_a_validation_after_the_first_step_is_in_no_plans_peak(tmp_path):
 def test_another_optimizer_over_the_models_parameters_is_tracked_with_it(tmp_path):
     """Muon beside AdamW (modded-nanogpt): SGD with momentum for the hidden layer, Adam for the head.
     The advisor followed the first optimizer only: the second's momentum (4 MiB) was temporaries in
-    every plan, and its step fell into the next step. Both are the model's optimizers, as ``track`` has them."""
+    every plan, and its step fell into the next step. Both are the model's optimizers, as ``track`` has them,
+    each named with its own implementation (the facts once gave the first's to both)."""
     from memprof.script_advice import advise_script
 
     script = tmp_path / "two_optimizers.py"
     script.write_text(textwrap.dedent("""
         import torch, torch.nn as nn
         model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.ReLU(), nn.Linear(1024, 256, bias=False)).cuda()
-        adam = torch.optim.Adam([model[2].weight], lr=1e-3)
-        sgd = torch.optim.SGD([model[0].weight], lr=0.1, momentum=0.9)
+        adam = torch.optim.Adam([model[2].weight], lr=1e-3, fused=True)
+        sgd = torch.optim.SGD([model[0].weight], lr=0.1, momentum=0.9, foreach=False)
         for step in range(30):
             model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
             for o in (adam, sgd):
@@ -1275,8 +1276,11 @@ def test_another_optimizer_over_the_models_parameters_is_tracked_with_it(tmp_pat
             model.zero_grad(set_to_none=True)
     """))
     advice = advise_script(str(script), budget="24GiB", target="h200", progress=False)
-    assert advice.baseline.optimizer_state == {"exp_avg": MiB, "exp_avg_sq": MiB, "momentum_buffer": 4 * MiB}
-    assert advice.facts.optimizer == "Adam + SGD"
+    # fused Adam keeps its step count on the device: a 0-d fp32 tensor, one 512-byte block
+    assert advice.baseline.optimizer_state == {"exp_avg": MiB, "exp_avg_sq": MiB, "step": 512,
+                                               "momentum_buffer": 4 * MiB}
+    assert (advice.facts.optimizer, advice.facts.implementation) == ("Adam + SGD", "fused + for-loop")
+    assert "optimizer: Adam (fused) + SGD (for-loop)" in advice.facts.lines()
 
 
 def test_plans_run_on_batches_of_other_shapes_say_so(tmp_path):
