@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from .categories import ALLOCATED, OUTSIDE_ALLOCATED, Category
+from .render import batch_shapes_note
 from .report import MODULE_CATEGORIES, Phase, _atomic_write, module_children, phase_kind
 from .units import GiB, KiB, MiB, fmt_bytes
 
@@ -340,6 +341,8 @@ def _report_sections(report: "Report", budget: int | None = None) -> tuple[str, 
     notes = report.meta.get("simulation_notes") or {}
     simulated = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in notes.items())
     simulated = f'<p class="note">What the simulated GPU ran differently:</p><ul>{simulated}</ul>' if notes else ""
+    if report.meta.get("batch_shapes"):
+        simulated += f'<p class="note">{html.escape(batch_shapes_note(report.meta))}</p>'
     body = f"""
 <section id="categories"><h2>Where the memory went{where}</h2>{_category_table(report)}{simulated}</section>
 <section id="timeline"><h2>Timeline</h2>{chart}</section>

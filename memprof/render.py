@@ -16,7 +16,7 @@ from .units import fmt_bytes
 if TYPE_CHECKING:
     from .report import Report
 
-__all__ = ["render_report", "report_text", "category_table", "module_tree"]
+__all__ = ["batch_shapes_note", "render_report", "report_text", "category_table", "module_tree"]
 
 # The at-peak columns the tree shows, and their short labels.
 _AT_PEAK = {
@@ -128,10 +128,28 @@ def _runs(names: list[str], shape) -> Iterator[tuple[str, list[str]]]:
         yield run[0], run
 
 
+def batch_shapes_note(meta: dict) -> str:
+    """What a report whose steps ran on batches of several shapes says about its peak."""
+    def text(shape: list) -> str:  # the input tensors' shapes: "(8, 64)", "[(8, 64), (8, 64)]" for ids and a mask
+        one = ", ".join(str(tuple(t)) for t in shape)
+        return one if len(shape) == 1 else f"[{one}]"
+
+    shapes, seen = meta["batch_shapes"], meta.get("batch_shapes_seen", len(meta["batch_shapes"]))
+    shown = "; ".join(map(text, shapes))
+    peak = meta.get("peak_batch_shape")
+    at = f" The peak is that of a step on {text(peak)}." if peak is not None else ""
+    return (f"The model's inputs changed shape between steps ({seen} shapes: {shown}{'; ...' if seen > len(shapes) else ''})"
+            f", and each step's peak follows its batch.{at} A larger batch later in the run (a longer sequence "
+            "under dynamic padding) needs more: pad to the longest length, or track a step on the largest batch, "
+            "to size the GPU.")
+
+
 def render_report(report: "Report") -> Iterator[RenderableType]:
     yield category_table(report)
     for what, why in (report.meta.get("simulation_notes") or {}).items():
         yield Text(f"simulated differently: {what}: {why}")  # not markup: "x[mask]"
+    if report.meta.get("batch_shapes"):
+        yield Text(batch_shapes_note(report.meta))
     if len(report.modules):
         yield module_tree(report)
 

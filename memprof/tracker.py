@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 # The categories the ledger attributes: all but temporaries.
 _NAMED = tuple(c for c in ALLOCATED if c is not Category.TEMPORARIES)
 _TIMELINE_ROWS_PER_STEP = 50_000
+_BATCH_SHAPES = 8  # the most distinct batch shapes a report lists
 _OWN = "the optimizer's own"  # the detail of parameters the optimizer holds and no module does
 
 # The tracker whose hooks are installed, if any: module and optimizer hooks are
@@ -373,6 +374,12 @@ class Tracker:
         self._no_grad_call: weakref.ref | None = None  # the module called without gradients, running (_on_pre)
         # Bounded, so that a run of any length costs the same host memory.
         self._steps: deque[tuple] = deque(maxlen=history)
+        # The shapes of the model's inputs at each step's first training forward: the distinct ones
+        # in the order first seen, and each step's (by index into them, as _steps holds its rows).
+        # Batches of other shapes (dynamic padding) make steps of other peaks.
+        self._batches: dict[tuple, int] = {}
+        self._step_batches: deque[int | None] = deque(maxlen=history)
+        self._batch: int | None = None
         self._last: Breakdown | None = None
         self._timeline: deque[list[tuple]] = deque(maxlen=timeline_steps)
         self._plan: _Plan | None = None
@@ -566,6 +573,12 @@ class Tracker:
         }
         if self.device.type == "cuda":
             meta["gpu"] = torch.cuda.get_device_name(self.device)
+        if len(self._batches) > 1:  # (the first few: a batch padded to each longest sequence makes many)
+            shapes = [[list(t) for t in shape] for shape in self._batches]
+            meta.update(batch_shapes=shapes[:_BATCH_SHAPES], batch_shapes_seen=len(shapes))
+            at = {row[0]: b for row, b in zip(self._steps, self._step_batches)}.get(peak.step) if peak else None
+            if at is not None:
+                meta["peak_batch_shape"] = shapes[at]
         return Report(
             device=str(self.device),
             peak=peak,
@@ -596,6 +609,7 @@ class Tracker:
 
     def _begin_step(self) -> None:
         self._forwards = 0
+        self._batch = None
         self._failed = None
         self._profiled = self._should_profile(self.step)
         if self._profiled:
@@ -643,6 +657,7 @@ class Tracker:
             else:
                 row = (self.step, False, c.peak_allocated, c.peak_reserved, c.allocated, c.reserved, seconds)
         self._steps.append(row)
+        self._step_batches.append(self._batch)
 
     # -- profiled steps --------------------------------------------------------
     def _start_profile(self) -> None:
@@ -1091,6 +1106,10 @@ class Tracker:
         self._forwards += 1
         if module.training:  # (two forwards in eval mode before one backward are training: not here)
             self._no_backward_after()
+            if self._batch is None and torch.is_grad_enabled() and not self._recompute:
+                shape = tuple(tuple(d if isinstance(d, int) else str(d) for d in t.shape)  # a jagged size: symbolic
+                              for t in _leaves((args, kwargs)))
+                self._batch = self._batches.setdefault(shape, len(self._batches))
         if not module.training and self._evaluating is None and not self._recompute:
             self._evaluating = self._now()  # an evaluation (see _evaluations, _on_root_post)
         if self._profiled and not self._recompute:

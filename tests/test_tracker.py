@@ -264,6 +264,36 @@ def test_inputs_passed_by_keyword():
 
 
 
+def test_batches_of_several_shapes_are_said():
+    """Dynamic padding: each batch as long as its longest sequence, so each step peaks by its batch.
+    The report lists the shapes the model's inputs took, in the order first seen, and the peak step's;
+    `memprof track`'s text and HTML say it. Steps on one shape say nothing."""
+    from memprof.html import report_html
+    from memprof.render import report_text
+
+    model = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 1000))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def run(lengths):
+        with memprof.track(model, warmup=len(lengths)) as prof:
+            for n in lengths:
+                ids = torch.randint(0, 1000, (8, n))
+                F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+        return prof.report()
+
+    r = run([64, 128, 32, 64])
+    assert r.meta["batch_shapes"] == [[[8, 64]], [[8, 128]], [[8, 32]]]
+    assert r.meta["batch_shapes_seen"] == 3
+    assert r.peak.step == 1 and r.meta["peak_batch_shape"] == [[8, 128]]  # the longest batch peaks highest
+    assert ("The model's inputs changed shape between steps (3 shapes: (8, 64); (8, 128); (8, 32)), and each "
+            "step's peak follows its batch. The peak is that of a step on (8, 128).") in " ".join(report_text(r).split())
+    assert "The model&#x27;s inputs changed shape between steps (3 shapes" in report_html(r)
+    steady = run([64, 64, 64])
+    assert "batch_shapes" not in steady.meta and "changed shape" not in report_text(steady)
+
+
 def test_inputs_in_lists_and_dicts():
     """DINO calls model(crops), a list of views; DETR passes one target dict per image. Every
     tensor in them is an input (they were temporaries)."""
