@@ -32,6 +32,8 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     1. composite children of ModuleLists/Sequentials whose children are all the
        same block (transformer layers, ResNet bottlenecks, ``nn.Sequential(conv,
        norm, act)`` stacks): every such stack (an encoder's layers and a decoder's);
+       where those children are ModuleLists of a layer's parts (vit-pytorch's
+       ``ModuleList([ModuleList([Attention, FeedForward])])``), the composite parts;
     2. among mixed children (``nn.Sequential(stem, *blocks, head)``, or a model's
        own attributes: a UNet's ``self.down1 = Block(64, 128)`` ...), the children
        of the composite class that occurs most often, at least twice;
@@ -47,8 +49,10 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     experts: set[str] = set()
     modules = dict(model.named_modules())
     for name, module in modules.items():
-        children = list(module.named_children())
-        if len(children) < 2:
+        # TorchScript calls a scripted module's children inside its interpreter, past any Python
+        # forward the checkpointing would put there: scripted modules are no blocks.
+        children = [(n, c) for n, c in module.named_children() if not isinstance(c, torch.jit.ScriptModule)]
+        if len(children) < 2 or isinstance(module, torch.jit.ScriptModule):
             continue
         prefix = f"{name}." if name else ""
         shapes = Counter(_shape(c) for _, c in children)
@@ -64,6 +68,11 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                     isinstance(m, nn.Linear) and m.out_features == len(children)
                     for m in (parent.children() if parent is not None else ())):
                 experts.add(prefix)
+        elif container and len(shapes) == 1 and isinstance(first, nn.ModuleList):
+            # Each member a list of the layer's parts, called one by one (vit-pytorch's
+            # `for attn, ff in self.layers: x = attn(x) + x; ...`): a list has no forward, its parts do.
+            tiers[0] += [(f"{prefix}{i}.{j}", g, _shape(g)) for i, c in children for j, g in c.named_children()
+                         if any(True for _ in g.children()) and any(True for _ in g.parameters())]
         elif len(shapes) > 1 or not container:
             # Only blocks made of modules: a checkpointed single layer saves its input anyway.
             tiers[1] += [(f"{prefix}{i}", c, _shape(c)) for i, c in children

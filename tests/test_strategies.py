@@ -164,6 +164,51 @@ def test_find_blocks_sequential_blocks():
     assert [n for n, _ in find_blocks(nested)] == [f"{i}.{j}" for i in range(3) for j in range(2)]
 
 
+def test_find_blocks_in_lists_of_a_layers_parts():
+    """vit-pytorch's Transformer (and lucidrains' repos at large): ``layers = ModuleList([ModuleList([
+    Attention, FeedForward]) ...])``, called ``for attn, ff in self.layers``. A list has no forward: each
+    layer's parts are the blocks (none were found, and every checkpointing plan failed with "found no
+    repeated blocks to checkpoint"). A TorchScript module's parts are called inside its interpreter,
+    where no Python forward is seen: none of them is a block."""
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.to_qkv, self.to_out = nn.LayerNorm(16), nn.Linear(16, 48), nn.Linear(16, 16)
+
+        def forward(self, x):
+            q, k, v = self.to_qkv(self.norm(x)).chunk(3, dim=-1)
+            return self.to_out((q @ k.mT).softmax(-1) @ v)
+
+    class FeedForward(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+        def forward(self, x):
+            return self.net(x)
+
+    class Transformer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.ModuleList([Attention(), FeedForward()]) for _ in range(3)])
+
+        def forward(self, x):
+            for attn, ff in self.layers:
+                x = attn(x) + x
+                x = ff(x) + x
+            return x
+
+    model = Transformer()
+    found = find_blocks(model)
+    assert [n for n, _ in found] == [f"layers.{i}.{j}" for i in range(3) for j in range(2)]
+    assert found[3][1] is model.layers[1][1]
+    scripted = nn.Module()
+    scripted.body = torch.jit.script(nn.Sequential(FeedForward(), FeedForward(), FeedForward()))
+    scripted.head = nn.Linear(16, 4)
+    assert find_blocks(scripted) == []
+
+
 def test_find_blocks_between_a_stem_and_a_head():
     # nn.Sequential(stem, *blocks, head): the blocks are the children of one composite
     # class that repeats; single layers that repeat (two Linears) are no blocks.
