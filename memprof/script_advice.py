@@ -57,7 +57,7 @@ from .hooks import Shared
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import ScriptError, observe_script, raised
-from .tracker import _wrapped, active_tracker
+from .tracker import _wrapped, active_tracker, own_forward
 from .simulate import _HALF
 from .workload import Workload
 from .units import fmt_bytes
@@ -163,7 +163,7 @@ class _AutocastRegion:
 def _entries(model: nn.Module) -> list[nn.Module]:
     """Where a step enters ``model``: its forward, or its children's (those with a forward of
     their own) for a model trained through its methods."""
-    return [model, *(c for c in model.children() if type(c).forward is not nn.Module.forward)]
+    return [model, *(c for c in model.children() if own_forward(c))]
 
 
 def _outermost(module: nn.Module, planned, depth: list[int], live: list):
@@ -708,9 +708,9 @@ class _Watch:
         # script's loop (a TBPTT's repackage_hidden, [s.detach() for s in state]) is a new tensor over one
         self._outputs = weakref.WeakSet()
         self._entries = weakref.WeakSet(_entries(model))  # (a copy of the model shares their hooks)
-        for m in _entries(model):
-            self._handles += [m.register_forward_pre_hook(Shared(self._on_entry), with_kwargs=True),
-                              m.register_forward_hook(Shared(self._on_entry_end), always_call=True)]
+        for m in _entries(model):  # (nn.Module's methods: a TorchScript module's own refuse hooks)
+            self._handles += [nn.Module.register_forward_pre_hook(m, Shared(self._on_entry), with_kwargs=True),
+                              nn.Module.register_forward_hook(m, Shared(self._on_entry_end), always_call=True)]
         self._optimizers = weakref.WeakSet([opt] if opt is not None else [])
         self._in_backward: weakref.WeakSet = weakref.WeakSet()
         self._optimizer = weakref.ref(opt) if opt is not None else None
@@ -731,7 +731,7 @@ class _Watch:
             self._handles += [first.register_hook(Shared(functools.partial(self._on_gradient, weakref.ref(first)))),
                               first.register_post_accumulate_grad_hook(Shared(self._on_backward))]
         self._model = weakref.ref(model)
-        self._handles += [m.register_forward_pre_hook(Shared(functools.partial(self._on_module, name)))
+        self._handles += [nn.Module.register_forward_pre_hook(m, Shared(functools.partial(self._on_module, name)))
                           for name, m in model.named_modules() if name]
 
     def _on_entry(self, module, args, kwargs=None) -> None:
@@ -1279,7 +1279,7 @@ class _Schedule:
                 continue
             self._current, self._done, self.started, self._short_left_out = name, 0, False, False
             # (copies of the model share it)
-            handle = self.model.register_forward_pre_hook(Shared(self._on_forward), with_kwargs=True)
+            handle = nn.Module.register_forward_pre_hook(self.model, Shared(self._on_forward), with_kwargs=True)
             self._stack.callback(handle.remove)
             if hasattr(self.advance, "now"):
                 self.advance.now(name)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -55,7 +56,7 @@ from .ledger import Ledger
 from .manual_steps import GradientWatch
 from .report import MODULE_CATEGORIES, MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Phase, Report
 
-__all__ = ["Tracker", "active_tracker", "track"]
+__all__ = ["Tracker", "active_tracker", "own_forward", "track"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,13 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
         for o in obj.values():
             if isinstance(o, torch.Tensor):
                 yield o
+
+
+def own_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s class has a forward of its own (a container such as nn.ModuleDict has not).
+    Read from the class without running descriptors: a TorchScript module's forward is one that
+    raises when read from its class (torch.jit's ``_CachedForward``)."""
+    return inspect.getattr_static(type(module), "forward", None) is not nn.Module.forward
 
 
 def _leaves(obj: Any) -> list[torch.Tensor]:
@@ -266,7 +274,7 @@ class Tracker:
         self._given = None if optimizer is None else [weakref.ref(o) for o in optimizers]
         # The modules the script calls: the model, or the children of a container that has
         # no forward of its own (nn.ModuleDict of a GAN's generator and discriminator).
-        roots = list(model.children()) if type(model).forward is nn.Module.forward else [model]
+        roots = list(model.children()) if not own_forward(model) else [model]
         self._roots = [weakref.ref(m) for m in roots or [model]]
         self.device = self._resolve_device(model, device)
         self._simulated = self.device.type == "meta"
@@ -444,8 +452,9 @@ class Tracker:
             self._handles.append(register_optimizer_step_post_hook(torch.compiler.disable(self._on_optimizer_post)))
             for ref in self._roots:
                 root = ref()
-                self._handles += [root.register_forward_pre_hook(Shared(self._on_root_pre), with_kwargs=True),
-                                  root.register_forward_hook(Shared(self._on_root_post), always_call=True)]
+                # nn.Module's own methods: a TorchScript module's refuse hooks, yet its calls from Python run them
+                self._handles += [nn.Module.register_forward_pre_hook(root, Shared(self._on_root_pre), with_kwargs=True),
+                                  nn.Module.register_forward_hook(root, Shared(self._on_root_post), always_call=True)]
                 self._wrap_zero_grad(root)
             # Parameters and buffers a tracked module registers while tracked (the pruning
             # tutorial's prune.global_unstructured: weight_orig and weight_mask, between steps).
@@ -721,8 +730,8 @@ class Tracker:
                 module = ref() if ref is not None else None
                 if module is not None and id(module) not in hooked:
                     hooked.add(id(module))
-                    h.append(module.register_forward_pre_hook(Shared(self._on_pre)))
-                    h.append(module.register_forward_hook(Shared(self._on_post), with_kwargs=True, always_call=True))
+                    h.append(nn.Module.register_forward_pre_hook(module, Shared(self._on_pre)))
+                    h.append(nn.Module.register_forward_hook(module, Shared(self._on_post), with_kwargs=True, always_call=True))
         # Bound once a step, not once a node or parameter (see _hook_graph).
         self._node_hook = self._on_node_grads
         if full:  # a cheap step looks at the gradients at its bracket's samples only
@@ -1231,8 +1240,8 @@ class Tracker:
         self._names[module] = name
         self._by_name[name] = weakref.ref(module)
         if any(ref() is inner for ref in self._roots):
-            self._handles += [module.register_forward_pre_hook(Shared(self._on_root_pre), with_kwargs=True),
-                              module.register_forward_hook(Shared(self._on_root_post), always_call=True)]
+            self._handles += [nn.Module.register_forward_pre_hook(module, Shared(self._on_root_pre), with_kwargs=True),
+                              nn.Module.register_forward_hook(module, Shared(self._on_root_post), always_call=True)]
             self._on_root_pre(module, args, {})  # this call's hooks were gathered before that one
         return name
 

@@ -734,6 +734,12 @@ class VirtualCUDA:
             stack.enter_context(_replace(torch, "Generator", Generator))
             stack.enter_context(triton_launches(self.gpu, self.allocator, self.values, self._note))
             stack.enter_context(_replace(torch, "compile", self._compile))
+            # TorchScript: modules (torch.jit.script, ScriptModule subclasses), functions and traces.
+            import torch.jit._recursive as jit_recursive
+
+            for module, attr in ((jit_recursive, "create_script_module"), (torch._C, "_jit_script_compile"),
+                                 (torch.jit, "trace")):
+                stack.enter_context(_replace(module, attr, self._torchscript(getattr(module, attr))))
             stack.enter_context(_replace(torch.nn.Module, "compile", _module_compile(self)))
             if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_padded_dense_to_jagged_forward", "Meta"):
                 # Nested tensors' to_padded_tensor backward runs it inside their own dispatch, below memprof's modes.
@@ -895,6 +901,20 @@ class VirtualCUDA:
                    f"torch.compile of {name} is simulated eagerly: the prediction is eager-mode memory (compiled code "
                    f"often needs less for {'activations' if module else 'temporaries'}); measure on a GPU for the "
                    "compiled number")
+
+    def _torchscript(self, compile: Callable) -> Callable:
+        """``compile`` (TorchScript's), with a note in the report: TorchScript's interpreter runs the
+        compiled code's operators below the simulated GPU's torch-function mode, where its
+        tensors' device is meta and memprof's autocast does not cast them."""
+
+        def compiled(*args: Any, **kwargs: Any) -> Any:
+            self._note("TorchScript", "code compiled by torch.jit runs in TorchScript's interpreter, below the "
+                       "simulated GPU's Python layer: there tensors are on the meta device (x.is_cuda is False, so "
+                       "code that branches on it takes another path) and autocast does not cast its operators (they "
+                       "run in their inputs' dtype); its memory is simulated as it runs so")
+            return compile(*args, **kwargs)
+
+        return compiled
 
     def _note(self, what: str, why: str, message: str | None = None) -> None:
         """What runs differently on the simulated GPU: ``why`` in the report's notes under
@@ -1128,7 +1148,7 @@ def _keeping_parameters(original: Callable) -> Callable:
             depth[0] -= 1
         first = WeakIdKeyDictionary()
         for module, name, old in before:
-            new = module._parameters.get(name)
+            new = module._parameters[name] if name in module._parameters else None  # (TorchScript's has no get)
             if new is old:
                 _rehook(old)
             kept = first.get(old)

@@ -1217,6 +1217,54 @@ def test_a_compiled_function_is_named_in_the_note(tmp_path, clean):
     assert report.meta["simulation_notes"]["torch.compile"].startswith("simulated eagerly (newton_schulz)")
 
 
+def test_torchscript_parts_of_a_model_are_simulated_and_noted(tmp_path, clean):
+    """pytorch/benchmarks' custom_lstms.py style: a scripted recurrent body inside an eager model, its
+    initial state made inside TorchScript. Moving it to the GPU failed (its parameters' dict has no
+    ``get``), and so did tracking (its class's ``forward`` raises when read, and it takes no hooks). Its
+    tensors are the simulated GPU's all the same (TorchScript allocates through the dispatcher): the
+    1024 x 1024 weight and its state, and the note says what TorchScript's interpreter does not see.
+    A model scripted whole is tracked as one module (hooks through nn.Module's own methods)."""
+    source = """
+        import sys, torch
+        from torch import nn
+
+        class Body(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.cell = nn.Linear(1024, 1024, bias=False)
+
+            def forward(self, x):
+                h = torch.zeros(x.size(1), 1024, device=x.device)
+                for t in range(x.size(0)):
+                    h = torch.tanh(self.cell(x[t] + h))
+                return h
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = torch.jit.script(Body())
+                self.head = nn.Linear(1024, 8, bias=False)
+
+            def forward(self, x):
+                return self.head(self.body(x))
+
+        model = Model() if sys.argv[1:] != ["whole"] else torch.jit.script(Model())
+        model = model.cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(6):
+            model(torch.randn(4, 16, 1024, device="cuda")).square().mean().backward()
+            opt.step(); opt.zero_grad()
+    """
+    report = observe_script(write(tmp_path, source), steps=2, target="h200")
+    assert report.peak.bytes["parameters"] == 4 * MiB + 8 * 1024 * 4  # cell and head
+    assert report.optimizer_state == {"momentum_buffer": 4 * MiB + 8 * 1024 * 4}
+    assert "autocast does not cast its operators" in report.meta["simulation_notes"]["TorchScript"]
+    whole = observe_script(write(tmp_path, source), ["whole"], steps=2, target="h200")
+    assert whole.peak.bytes["parameters"] == report.peak.bytes["parameters"]
+    assert whole.optimizer_state == report.optimizer_state
+    assert whole.peak.phase == "backward RecursiveScriptModule"  # its steps seen by the root's hooks
+
+
 def test_a_device_mesh_makes_the_process_group_itself(tmp_path, clean, monkeypatch):
     """PyTorch's tensor-parallel tutorial calls init_device_mesh without init_process_group: the mesh
     makes the default group with its own import of init_process_group, which was not the simulated one
