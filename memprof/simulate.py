@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import threading
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -233,6 +234,9 @@ class SimulatedAllocator(TorchDispatchMode):
         # free: such frees wait here until the model's operation is done.
         self._in_model = False
         self._deferred: list[int] = []
+        # A script's own threads (a prefetcher moving batches to the GPU) allocate too: one model
+        # operation at a time, as CUDA's caching allocator takes its mutex.
+        self._lock = threading.RLock()
         #: cuBLAS's workspaces taken so far, by thread: autograd's (True) or the training thread's.
         self._workspaces: dict[bool, int] = {}
         # Peaks (allocated, reserved) folded in before memprof's own resets.
@@ -394,16 +398,17 @@ class SimulatedAllocator(TorchDispatchMode):
     def _model_call(self, op: Callable, *args, event: Callable[[Any], tuple] | None = None):
         """``op(*args)`` on the allocator model, its ``event(result)`` recorded where events
         are, and then the frees a garbage collection asked for meanwhile (see ``_deferred``)."""
-        self._in_model = True
-        try:
-            result = op(*args)
-        finally:
-            self._in_model = False
-        if event is not None and self.events is not None:
-            self.events.append(event(result))
-        while self._deferred:
-            self.free(self._deferred.pop(0))
-        return result
+        with self._lock:
+            self._in_model = True
+            try:
+                result = op(*args)
+            finally:
+                self._in_model = False
+            if event is not None and self.events is not None:
+                self.events.append(event(result))
+            while self._deferred:
+                self.free(self._deferred.pop(0))
+            return result
 
     def replay_step(self, events: list[tuple]) -> StepCounters | None:
         """:func:`replay_step` on this allocator's model."""

@@ -52,6 +52,7 @@ import importlib
 import logging
 import os
 import sys
+import threading
 import warnings
 import weakref
 from contextlib import ExitStack
@@ -368,6 +369,54 @@ def _dropout(input: torch.Tensor, p: float = 0.5, train: bool = True) -> torch.T
     return torch.dropout(input, p, train)
 
 
+def _in_modes(start: Callable, ours: tuple, started_here: "weakref.WeakSet") -> Callable:
+    """``threading.Thread.start`` for a thread that runs with the simulated device's modes (``ours``)
+    where the thread starting it does (it joins ``started_here``). PyTorch's mode stacks are per thread:
+    a script's own thread (a prefetcher moving batches to the GPU on a side stream) would meet the real
+    CUDA, or none."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    def started(thread: threading.Thread) -> None:
+        dispatch = [m for m in _get_current_dispatch_mode_stack() if any(m is o for o in ours)]
+        functions = [m for m in _function_modes() if any(m is o for o in ours)]
+        if dispatch or functions:
+            run = thread.run
+
+            def run_in_modes() -> None:
+                for m in dispatch:
+                    _push_mode(m)
+                for m in functions:
+                    torch._C._push_on_torch_function_stack(m)
+                try:
+                    run()
+                finally:
+                    for _ in functions:
+                        torch._C._pop_torch_function_stack()
+                    for _ in dispatch:
+                        _pop_mode()
+
+            thread.run = run_in_modes
+            started_here.add(thread)
+        start(thread)
+
+    return started
+
+
+def _stop_threads(threads: "weakref.WeakSet") -> None:
+    """Stop the script's threads that still run on the simulated device as it goes: memprof stops a
+    script after the steps it needs, and a prefetcher would run on without the device (failing at its
+    next CUDA call) and keep the process alive. Python stops a thread only from inside: SystemExit is
+    raised in each at its next bytecode (a thread blocked in C, a queue.get() without timeout, sees it
+    once that returns)."""
+    import ctypes
+
+    for thread in list(threads):
+        if thread.is_alive() and thread.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(SystemExit))
+    for thread in list(threads):
+        thread.join(timeout=1.0)
+
+
 def _host_activities(init: Callable) -> Callable:
     """``torch.profiler.profile``'s constructor recording the host's activities only."""
     from torch.profiler import ProfilerActivity
@@ -624,6 +673,7 @@ class VirtualCUDA:
         self._simulated_default: Any = None
         self.runtime = CudaRuntime(self.gpu, allocator)
         self.values = Values(synchronize=getattr(allocator, "synchronize", None), read_back=self.read_back)
+        self._threads: weakref.WeakSet = weakref.WeakSet()  # started by the script on this device (_in_modes)
         self.sdpa = Environment.of(self.gpu)
         #: What the script asked for that runs differently here (e.g. torch.compile), for the report.
         self.notes: dict[str, str] = {}
@@ -812,6 +862,9 @@ class VirtualCUDA:
             stack.enter_context(_replace(torch._C._autograd, "_push_saved_tensors_default_hooks",
                                          lambda pack, unpack: push(_in_mode(mode, pack), _in_mode(mode, unpack))))
             stack.enter_context(mode)
+            stack.enter_context(_replace(threading.Thread, "start", _in_modes(
+                threading.Thread.start, (self.allocator, self.values, mode), self._threads)))
+            stack.callback(_stop_threads, self._threads)
             _current = self
             stack.callback(_clear_current)
         except BaseException:

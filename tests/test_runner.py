@@ -1265,6 +1265,51 @@ def test_torchscript_parts_of_a_model_are_simulated_and_noted(tmp_path, clean):
     assert whole.peak.phase == "backward RecursiveScriptModule"  # its steps seen by the root's hooks
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the SystemExit that stops it
+def test_a_prefetching_thread_moves_batches_to_the_simulated_gpu(tmp_path, clean):
+    """A custom prefetcher as public repos write it: a thread pins host batches, moves them to the GPU
+    on its own stream and queues them. PyTorch's modes are per thread, so the thread met no simulated
+    GPU ("not linked with support for cuda devices" on a CPU build, the real driver on a CUDA one) and
+    the script stopped. It now runs with the simulated device's modes: its batches are the GPU's, and the
+    one the model takes is inputs (64 x 1024 fp32: 256 KiB). Stopped after the steps memprof needs, the
+    script leaves the thread running: it is stopped with the simulated device, not left to fail on the
+    real one (or keep the process alive)."""
+    import threading
+
+    report = observe_script(write(tmp_path, """
+        import queue, threading, torch
+        model = torch.nn.Linear(1024, 1024, bias=False).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches, stop = queue.Queue(maxsize=3), threading.Event()
+
+        def produce():
+            stream = torch.cuda.Stream()
+            while not stop.is_set():
+                with torch.cuda.stream(stream):
+                    x = torch.randn(64, 1024).pin_memory().to("cuda", non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                try:
+                    batches.put((x, done), timeout=0.1)
+                except queue.Full:
+                    continue
+
+        thread = threading.Thread(target=produce, daemon=True)
+        thread.start()
+        for step in range(6):
+            x, done = batches.get(timeout=60)
+            torch.cuda.current_stream().wait_event(done)
+            x.record_stream(torch.cuda.current_stream())
+            model(x).square().mean().backward()
+            opt.step(); opt.zero_grad()
+        stop.set()
+        thread.join()
+    """), steps=2, target="h200", timeout=120)
+    assert report.peak.bytes["parameters"] == 4 * MiB
+    assert report.peak.bytes["inputs"] == 256 * 1024
+    assert not [t for t in threading.enumerate() if t.name.endswith("(produce)")]
+
+
 def test_a_device_mesh_makes_the_process_group_itself(tmp_path, clean, monkeypatch):
     """PyTorch's tensor-parallel tutorial calls init_device_mesh without init_process_group: the mesh
     makes the default group with its own import of init_process_group, which was not the simulated one
