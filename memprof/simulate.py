@@ -504,6 +504,14 @@ class SimulatedAllocator(TorchDispatchMode):
             # ATen's check (Blas.cpp, _scaled_mm_allowed_device): FP8 tensor cores from Ada and Hopper on
             raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or "
                                f"8.9, or ROCm MI300+ (simulated {self.gpu.name}: {self.gpu.compute_capability})")
+        if func.namespace not in _PYTORCH_NAMESPACES:
+            implementation = _without_fake(func)
+            if implementation is not None:  # its own operators, on this device
+                if self.note is not None:
+                    self.note(f"{func.name()} (a custom operator)", "registered without a fake implementation to "
+                              "size its outputs: simulated by running its implementation's operators")
+                with self:
+                    return implementation(*args, **kwargs)
         out, cost = KERNELS.run(func, args, kwargs, _cost)
         own = self.script_meta
         if own is not None and own.claims(args, kwargs):  # the script's own meta tensors: no GPU memory, no kernel
@@ -598,6 +606,23 @@ class SimulatedAllocator(TorchDispatchMode):
         host = self.time_model.host_seconds(False, backward, backward and torch.is_grad_enabled())
         self.host += host
         self._launch(flops, nbytes, dtype, False, False, kind, [], host)
+
+
+_PYTORCH_NAMESPACES = frozenset(("aten", "prims", "_c10d_functional", "c10d", "_dtensor", "profiler"))
+
+
+def _without_fake(func) -> Callable | None:
+    """The implementation of a ``torch.library.custom_op`` registered without a fake one (its meta
+    kernel raises "no fake impl registered"): on a GPU it runs eagerly all the same. Else None."""
+    try:
+        from torch._library.custom_ops import _maybe_get_opdef
+    except ImportError:
+        return None
+    opdef = _maybe_get_opdef(func)
+    if opdef is None or getattr(opdef, "_abstract_fn", True) is not None:
+        return None
+    backends = getattr(opdef, "_backend_fns", {})
+    return backends.get("cuda") or backends.get(None) or getattr(opdef, "_init_fn", None)
 
 
 def _uploaded(func, args: tuple, kwargs: dict) -> tuple[int, bool] | None:
@@ -841,6 +866,10 @@ def _nested_linear(func, args: tuple) -> bool:
 _NESTED_LINEAR = {torch.ops.aten.linear.default, torch.ops.aten.linear_backward.default}
 
 
+# Grouped matrix products, which PyTorch's flop counter has no formula for.
+_GROUPED_MM = frozenset(("_grouped_mm", "_scaled_grouped_mm"))
+
+
 def _flops(func, args: tuple, kwargs: dict, out: Any) -> int:
     """The operator's arithmetic, by PyTorch's flop counter (torch.utils.flop_counter)."""
     if _nested_linear(func, args):  # linear(x, w, b), linear_backward(x, grad, w, mask): products over the tokens
@@ -848,6 +877,11 @@ def _flops(func, args: tuple, kwargs: dict, out: Any) -> int:
         product = 2 * (values.numel() // values.shape[-1]) * args[-2 if len(args) > 3 else 1].numel()
         mask = args[3] if len(args) > 3 else (True, False, False)
         return product * (1 if len(args) <= 3 else sum(map(bool, mask[:2])))
+    if func._overloadpacket.__name__ in _GROUPED_MM:
+        # A mixture's experts in one kernel (torchtitan): 2D x 2D splits the reduced dimension among
+        # the groups (the weights' gradient), the other forms multiply each group's rows by its matrix.
+        a, b = args[0], args[1]
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1] if a.dim() == b.dim() == 2 else 2 * out.numel() * a.shape[-1]
     count = flop_registry.get(func._overloadpacket)
     if count is None:
         return 0

@@ -369,6 +369,23 @@ def _dropout(input: torch.Tensor, p: float = 0.5, train: bool = True) -> torch.T
     return torch.dropout(input, p, train)
 
 
+def _padded_rows(create: Callable) -> Callable:
+    """A grouped matrix product's output (``torch._grouped_mm``) as CUDA's kernel writes it: rows
+    padded to 16 bytes. PyTorch's meta function pads them only in a CUDA build (``if
+    torch.version.cuda``), so a CPU build simulated another layout."""
+
+    def padded(mat1: torch.Tensor, mat2: torch.Tensor, offs: Any, out_dtype: Any) -> torch.Tensor:
+        out = create(mat1, mat2, offs, out_dtype)
+        per_16_bytes = 16 // out.element_size()
+        row = -(-out.shape[-1] // per_16_bytes) * per_16_bytes
+        if out.stride(-2) == row:
+            return out
+        stride = (out.shape[1] * row, row, 1) if out.dim() == 3 else (row, 1)
+        return torch.empty_strided(out.shape, stride, dtype=out.dtype, device=out.device)
+
+    return padded
+
+
 def _in_modes(start: Callable, ours: tuple, started_here: "weakref.WeakSet") -> Callable:
     """``threading.Thread.start`` for a thread that runs with the simulated device's modes (``ours``)
     where the thread starting it does (it joins ``started_here``). PyTorch's mode stacks are per thread:
@@ -796,6 +813,10 @@ class VirtualCUDA:
                 library = torch.library.Library("aten", "IMPL", "Meta")
                 library.impl("_padded_dense_to_jagged_forward", _padded_dense_to_jagged)
                 stack.callback(library._destroy)
+            meta = importlib.import_module("torch._meta_registrations")
+            if hasattr(meta, "_create_grouped_mm_output_tensor"):
+                stack.enter_context(_replace(meta, "_create_grouped_mm_output_tensor",
+                                             _padded_rows(meta._create_grouped_mm_output_tensor)))
             stack.enter_context(_replace(torch, "save", self._save))
             stack.enter_context(_replace(torch, "load", self._load(torch.load)))
             for module, attr, fn in self._safetensors():

@@ -1100,3 +1100,49 @@ def test_a_tensor_a_module_keeps_as_a_plain_attribute_is_a_buffer():
     assert (last["buffers"] == 64 * MiB).all()
     stepping = last[last["phase"] == "optimizer step"]
     assert not stepping.empty and (stepping["activations"] == 0).all()
+
+
+def test_grouped_matrix_products_cost_their_arithmetic_and_pad_their_rows():
+    """torchtitan's experts in one kernel, ``torch._grouped_mm``: PyTorch's flop counter has no formula for
+    it, so it was priced as a memory-bound kernel (about 4x fast on a large mixture); its output rows are
+    padded to 16 bytes as CUDA writes them, which PyTorch's meta function does in a CUDA build only."""
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = memprof.get_gpu("h200")
+    a = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=a):
+        x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(4, 100, 128, device="cuda", dtype=torch.bfloat16).mT  # 4 experts, 128 -> 100
+        offs = torch.tensor([16, 32, 48, 64], device="cuda", dtype=torch.int32)
+        flops = a.flops
+        y = torch._grouped_mm(x, w, offs)
+        assert a.flops - flops == 2 * 64 * 128 * 100
+        assert (y.shape, y.stride()) == ((64, 100), (104, 1))  # 100 bf16 rows padded to 104: 208 bytes
+        flops = a.flops
+        torch._grouped_mm(x.mT.contiguous(), x, offs)  # the weights' gradient: the groups split the 64 rows
+        assert a.flops - flops == 2 * 128 * 64 * 128
+
+
+def test_a_custom_operator_without_a_fake_runs_its_implementation():
+    """``torch.library.custom_op`` for CUDA alone, without ``register_fake``: eager on a GPU it runs; its
+    meta kernel raises ("no fake impl registered"), which stopped the simulation. Its implementation's
+    operators run on the simulated GPU instead: the 1 MiB intermediate it makes counts at the peak."""
+    import uuid
+
+    from memprof.simulate import SimulatedAllocator
+
+    name = f"memprof_test::shifted_{uuid.uuid4().hex[:8]}"
+
+    @torch.library.custom_op(name, mutates_args=(), device_types="cuda")
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    gpu = memprof.get_gpu("h200")
+    a = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=a) as device:
+        x = torch.randn(512, 512, device="cuda")
+        a.reset_peak()
+        y = shifted(x)
+        assert y.shape == (512, 512) and y.is_cuda
+        assert a.model.peak_allocated == 3 * MiB and a.model.allocated == 2 * MiB  # x, x * 2, y; then x, y
+    assert "registered without a fake implementation" in device.notes[f"{name} (a custom operator)"]
