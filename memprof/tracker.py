@@ -388,6 +388,11 @@ class Tracker:
         self._batches: dict[tuple, int] = {}
         self._step_batches: deque[int | None] = deque(maxlen=history)
         self._batch: int | None = None
+        # On a simulated GPU: its flop count when the step's optimizer began, and the arithmetic of
+        # the last profiled step's optimizers (matrix products: Muon's Newton-Schulz iterations;
+        # an elementwise AdamW does none), which an optimizer stepped on the host does there.
+        self._optimizer_flops_at: int | None = None
+        self._optimizer_flops: int | None = None
         self._last: Breakdown | None = None
         self._timeline: deque[list[tuple]] = deque(maxlen=timeline_steps)
         self._plan: _Plan | None = None
@@ -582,6 +587,8 @@ class Tracker:
         }
         if self.device.type == "cuda":
             meta["gpu"] = torch.cuda.get_device_name(self.device)
+        if self._optimizer_flops is not None:
+            meta["optimizer_flops"] = self._optimizer_flops
         if len(self._batches) > 1:  # (the first few: a batch padded to each longest sequence makes many)
             shapes = [[list(t) for t in shape] for shape in self._batches]
             meta.update(batch_shapes=shapes[:_BATCH_SHAPES], batch_shapes_seen=len(shapes))
@@ -619,6 +626,7 @@ class Tracker:
     def _begin_step(self) -> None:
         self._forwards = 0
         self._batch = None
+        self._optimizer_flops_at = None
         self._failed = None
         self._profiled = self._should_profile(self.step)
         if self._profiled:
@@ -667,6 +675,8 @@ class Tracker:
                 row = (self.step, False, c.peak_allocated, c.peak_reserved, c.allocated, c.reserved, seconds)
         self._steps.append(row)
         self._step_batches.append(self._batch)
+        if self._optimizer_flops_at is not None:
+            self._optimizer_flops = self._counters.flops - self._optimizer_flops_at
 
     # -- profiled steps --------------------------------------------------------
     def _start_profile(self) -> None:
@@ -1744,6 +1754,8 @@ class Tracker:
 
     def _enter_optimizer(self) -> None:
         self._end_backward(Phase.OPTIMIZER_STEP, ("optimizer", ""))
+        if self._simulated and self._optimizer_flops_at is None:
+            self._optimizer_flops_at = self._counters.flops  # (every optimizer of the step, to its end)
 
     def _on_optimizer_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self._is_ours(opt) or transformed():  # a step captured in a CUDA graph is not one run

@@ -47,6 +47,13 @@ __all__ = ["StateOffload", "ZeRO", "fsdp_units"]
 # 22.6 GB/s a rank (17-29 GB/s), with the ranks' steps running side by side.
 _HOST_ADAM_BYTES_PER_PARAM = 28
 _HOST_ADAM_RATE = 22.6e9
+# An optimizer that multiplies matrices (Muon's Newton-Schulz iterations, in bf16) is bound by the
+# host's matrix products instead: their flops, as the simulated step counts them (PyTorch's flop
+# counter), at 2.3 TFLOP/s. Measured on the H200's host, 16 threads (benchmarks/host_flops.py,
+# results/host-flops-h200.json): torch.optim.Muon's whole step over 42.5 M parameters of GPT-2-sized
+# matrices, 815 GFLOP of products, took 0.404 s; less its elementwise part at AdamW's rate above,
+# 2.3 TFLOP/s (its bf16 products alone ran at 3.5, fp32 ones at 1.1; one thread: 0.87 and 0.16).
+_HOST_MATMUL_RATE = 2.3e12
 
 _STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE)
 # Phases in which FSDP holds gathered parameters. A checkpointed block's
@@ -186,7 +193,9 @@ class ZeRO(Strategy):
             computing = kind in _COMPUTING or computing and kind in (Phase.LOSS, Phase.ZERO_GRAD)
             values.append(self._bytes(s, kind, computing, params, baseline, step_peak if unsampled else 0))
         peak = max(values, default=step_peak)
-        moved, host = self._seconds(params, gpu)
+        # The optimizers' matrix products (Muon's Newton-Schulz iterations), as the simulated step counted them.
+        flops = int(report.meta.get("optimizer_flops", baseline.meta.get("optimizer_flops", 0)))
+        moved, host = self._seconds(params, gpu, flops)
         return prediction.minus(prediction.peak_allocated - peak, moved + host, busy=moved)
 
     def _bytes(self, sample, kind: Phase | None, computing: bool, params: int, baseline: Report, step_peak: int) -> int:
@@ -217,9 +226,10 @@ class ZeRO(Strategy):
                 extra += block or params  # the block's gradients before their reduce-scatter
         return allocated + before + extra
 
-    def _seconds(self, params: int, gpu) -> tuple[float, float]:
+    def _seconds(self, params: int, gpu, optimizer_flops: int = 0) -> tuple[float, float]:
         """Seconds a step adds: moving parameters and gradients (the device's
-        links), and the host's optimizer step with offload (the device idles)."""
+        links), and the host's optimizer step with offload (the device idles):
+        its bytes, and its matrix products (``optimizer_flops``) at the host's rate."""
         n = self.world_size
         # Parameter volumes moved a step: DDP's all-reduce (2) and the optimizer's
         # broadcast (1) for stage 1; reduce-scatter + one all-gather (2) for stage
@@ -231,7 +241,8 @@ class ZeRO(Strategy):
             shard = params / n
             link = gpu.pcie_bandwidth * TimeModel.link_efficiency
             seconds += (gathers + 1) * shard / link  # shards in, gradients out
-            return seconds, shard / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_ADAM_RATE  # this rank's shard, its threads
+            host = shard / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_ADAM_RATE + optimizer_flops / n / _HOST_MATMUL_RATE
+            return seconds, host  # this rank's shard, on its threads
         return seconds, 0.0
 
 

@@ -211,3 +211,34 @@ def test_state_offload_computes_in_bf16_on_the_gpu():
         assert model[1].fc1.weight.device.type == "cpu"
     finally:
         dist.destroy_process_group()
+
+
+def test_an_optimizer_that_multiplies_matrices_is_priced_by_them_on_the_host():
+    """State offload steps the optimizer on the host. AdamW's step is elementwise, priced by its bytes;
+    Muon's Newton-Schulz iterations multiply matrices: 5 per weight, each X X^T, A A and B X on the weight
+    turned wide (m <= n: 4 m^2 n + 2 m^3 flops). The simulated step counts them (PyTorch's flop counter)
+    and the host's step costs them at the host's matrix rate; an AdamW step counts none."""
+    from memprof.advisor import simulate_plan
+    from memprof.devices import get_gpu
+    from memprof.strategies import Prediction
+    from memprof.strategies.zero import _HOST_MATMUL_RATE
+
+    gpu = get_gpu("h200")
+
+    def make(optimizer):
+        def build():
+            model = nn.Sequential(nn.Linear(64, 256, bias=False), nn.ReLU(), nn.Linear(256, 64, bias=False)).cuda()
+            return Workload(model, optimizer(model.parameters()), torch.randn(32, 64, device="cuda"),
+                            lambda m, b: m(b).square().mean())
+        return build
+
+    muon = simulate_plan(make(torch.optim.Muon), list, gpu).report
+    adamw = simulate_plan(make(torch.optim.AdamW), list, gpu).report
+    m, n = 64, 256  # both weights, 256 x 64 and 64 x 256, turned wide
+    assert muon.meta["optimizer_flops"] == 2 * 5 * (4 * m * m * n + 2 * m ** 3) == 47_185_920
+    assert adamw.meta["optimizer_flops"] == 0
+    pred = Prediction(muon.steps["peak_allocated"].iloc[-1], 0, 0.01, muon)
+    offload = StateOffload()
+    priced = offload.adjust(pred, muon, gpu).seconds
+    muon.meta["optimizer_flops"] = 0
+    assert priced - offload.adjust(pred, muon, gpu).seconds == pytest.approx(47_185_920 / _HOST_MATMUL_RATE, rel=1e-9)
