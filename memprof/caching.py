@@ -67,11 +67,12 @@ Not modelled: other streams and ``record_stream`` (blocks are never held by
 pending events), CUDA graph private pools, ``max_split_size_mb``,
 ``roundup_power2_divisions``, garbage collection, and the real device's own
 limits (CUDA context, other processes, fragmentation of device memory):
-``capacity`` behaves like ``torch.cuda.set_per_process_memory_fraction``'s
-limit (``total_allocated_memory + size > allowed_memory_maximum``). With
-expandable segments, ``capacity`` is the physical memory the device can map
-(``cuMemCreate`` failing), not a ``set_per_process_memory_fraction`` limit,
-whose check uses ``get_allocation_size`` instead. Addresses are synthetic (each new segment
+``capacity`` is the memory the device can give (``cudaMalloc`` failing; with
+expandable segments, ``cuMemCreate``). ``limit`` is
+``torch.cuda.set_per_process_memory_fraction``'s: ``alloc_block`` fails where
+``total_allocated_memory + get_allocation_size(size) > allowed_memory_maximum``,
+before making or mapping anything, and malloc retries after releasing the cache
+as for any failure. Addresses are synthetic (each new segment
 above the previous ones; an expandable segment reserves
 :data:`EXPANDABLE_ADDRESS_SPACE`), so among free blocks of equal size the model
 may pick a different one than the device would.
@@ -280,6 +281,8 @@ class CachingAllocatorModel:
         if capacity is not None and capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
+        #: ``torch.cuda.set_per_process_memory_fraction``'s ``allowed_memory_maximum`` (bytes), or None.
+        self.limit: int | None = None
         self.expandable_segments = expandable_segments
         self.allocated = 0
         self.reserved = 0
@@ -617,15 +620,18 @@ class CachingAllocatorModel:
             block = self._try_alloc(size, small)
             if block is None:
                 self.num_ooms += 1
-                raise SimulatedOOM(nbytes, get_allocation_size(size), self.reserved, self.allocated, self.capacity)
+                bound = min(b for b in (self.capacity, self.limit) if b is not None)
+                raise SimulatedOOM(nbytes, get_allocation_size(size), self.reserved, self.allocated, bound)
         return block
 
     def _try_alloc(self, size: int, small: bool) -> _Block | None:
         """A new segment (cudaMalloc), or with expandable segments the pages a block lacks; None where the
-        device's memory cannot hold it."""
+        device's memory cannot hold it, or the process's memory fraction does not allow it."""
+        alloc_size = get_allocation_size(size)
+        if self.limit is not None and self.reserved + alloc_size > self.limit:
+            return None  # alloc_block's set_fraction check, before any segment is made or mapped
         if self.expandable_segments:
             return self._try_allocate_expandable_block(size, small)
-        alloc_size = get_allocation_size(size)
         if self.capacity is not None and self.reserved + alloc_size > self.capacity:
             return None
         base = self._new_address(alloc_size)

@@ -45,6 +45,8 @@ class CudaRuntime:
 
     def __init__(self, gpu: GPU, allocator: Any = None) -> None:
         self.gpu, self.allocator = gpu, allocator
+        #: torch.cuda.set_per_process_memory_fraction's (1.0: the whole device, as PyTorch starts)
+        self.fraction = 1.0
 
     def cuda(self) -> dict[str, Any]:
         """``torch.cuda``'s functions and classes."""
@@ -113,7 +115,8 @@ class CudaRuntime:
             "reset_accumulated_memory_stats": lambda device=None: None,
             "memory_summary": lambda device=None, abbreviated=False: vc.memory_summary(),
             "mem_get_info": lambda device=None: vc.mem_get_info(),
-            "set_per_process_memory_fraction": lambda fraction, device=None: None,
+            "set_per_process_memory_fraction": self.set_memory_fraction,
+            "get_per_process_memory_fraction": lambda device=None: self.fraction,
             "_set_allocator_settings": self.set_allocator_settings,
             "utilization": lambda device=None: 100,
             "list_gpu_processes": lambda device=None: f"GPU:0 (simulated {gpu.name})\nno processes are running",
@@ -149,6 +152,19 @@ class CudaRuntime:
             **self._memory(),
             "get_memory_info": _ignoring_args(vc.mem_get_info),
         }
+
+    def set_memory_fraction(self, fraction: float, device: Any = None) -> None:
+        """``torch.cuda.set_per_process_memory_fraction``, with its checks: the simulated allocator
+        fails a new segment, as c10's ``alloc_block`` does, once its reserved memory and the segment
+        would pass ``fraction`` of the device's total memory (a script sharing a GPU caps itself so)."""
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if fraction < 0 or fraction > 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        self.fraction = fraction
+        model = getattr(self.allocator, "model", None)
+        if model is not None:
+            model.limit = int(fraction * self.gpu.memory_bytes)
 
     def set_allocator_settings(self, settings: str) -> None:
         """``torch.cuda.memory._set_allocator_settings`` and ``torch._C._accelerator_setAllocatorSettings``:

@@ -1146,3 +1146,34 @@ def test_a_custom_operator_without_a_fake_runs_its_implementation():
         assert y.shape == (512, 512) and y.is_cuda
         assert a.model.peak_allocated == 3 * MiB and a.model.allocated == 2 * MiB  # x, x * 2, y; then x, y
     assert "registered without a fake implementation" in device.notes[f"{name} (a custom operator)"]
+
+
+def test_a_scripts_own_memory_fraction_caps_the_simulated_gpu():
+    """``torch.cuda.set_per_process_memory_fraction(0.25)`` (a script sharing a GPU): c10's alloc_block fails a
+    new segment once reserved memory and the segment would pass a quarter of the device's total, and the
+    caching allocator retries after releasing its cache, as for any failure. It was ignored: the script's
+    OOM-and-halve loop trained at 4x the batch a real H200 allows it. PyTorch's own argument checks."""
+    from memprof.simulate import SimulatedAllocator
+
+    gpu = memprof.get_gpu("h200")
+    a = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=a):
+        assert torch.cuda.get_per_process_memory_fraction() == 1.0
+        total = torch.cuda.get_device_properties(0).total_memory
+        cap = int(0.25 * total)
+        torch.cuda.set_per_process_memory_fraction(0.25)
+        assert torch.cuda.get_per_process_memory_fraction() == 0.25
+        assert cap == 36096 * MiB  # a quarter of the catalogue's 141 GiB: 2 MiB pages throughout
+        kept = torch.empty(cap // 2, dtype=torch.uint8, device="cuda")
+        cached = torch.empty(cap // 4, dtype=torch.uint8, device="cuda")
+        del cached  # its segment stays reserved, cached
+        assert torch.cuda.memory_reserved() == cap * 3 // 4
+        with pytest.raises(torch.cuda.OutOfMemoryError, match="CUDA out of memory"):
+            torch.empty(cap // 2 + 2 * MiB, dtype=torch.uint8, device="cuda")  # with the kept half: 2 MiB past the cap
+        assert torch.cuda.memory_reserved() == cap // 2  # the cache released before the retry that failed
+        x = torch.empty(cap // 2, dtype=torch.uint8, device="cuda")  # up to the cap exactly: fits
+        assert torch.cuda.memory_reserved() == cap and x.is_cuda and kept.is_cuda
+        with pytest.raises(TypeError, match="must be `float`"):
+            torch.cuda.set_per_process_memory_fraction(1)
+        with pytest.raises(ValueError, match="Invalid fraction value: 1.5. Allowed range: 0~1"):
+            torch.cuda.set_per_process_memory_fraction(1.5)
