@@ -28,13 +28,15 @@ import itertools
 import logging
 import os
 import runpy
+import signal
 import sys
+import threading
 import time
 import traceback
 import weakref
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -633,7 +635,8 @@ def observe_script(
             try:
                 observer.install()
                 try:
-                    runpy.run_path(str(path), run_name="__main__")
+                    with _alarm(timeout):
+                        runpy.run_path(str(path), run_name="__main__")
                 except BaseException as exc:  # the script's own errors, exits and Ctrl-C, and our _Stop
                     outcome = exc
                     if isinstance(exc, torch.OutOfMemoryError):
@@ -655,6 +658,31 @@ def observe_script(
         os.environ.update({k: v for k, v in saved_env.items() if os.environ.get(k) != v})
         _switches(saved_switches)
     return _result(observer, path, list(args), outcome, device if gpu is not None else None)
+
+
+@contextlib.contextmanager
+def _alarm(timeout: float | None) -> Iterator[None]:
+    """Stop the script at ``timeout`` (and a second) where no hook of memprof's runs to see it: a
+    script blocked waiting (``queue.get()`` for a batch a failed prefetching thread never puts).
+    A signal interrupts a wait of the main thread; where there is no SIGALRM (Windows), where this
+    is not the main thread, or where the process handles SIGALRM itself, the hooks' check alone."""
+    usable = (timeout is not None and hasattr(signal, "setitimer")
+              and threading.current_thread() is threading.main_thread()
+              and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None))
+    if not usable:
+        yield
+        return
+
+    def expired(signum: int, frame: Any) -> None:
+        raise _Stop(timed_out=True)
+
+    before = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, timeout + 1.0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
 
 
 def _switches(saved: tuple | None = None) -> tuple:

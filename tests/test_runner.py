@@ -784,6 +784,27 @@ def test_timeout(tmp_path, clean):
         observe_script(script, timeout=0.3)
 
 
+def test_timeout_stops_a_script_blocked_outside_any_hook(tmp_path, clean):
+    """A prefetcher whose thread failed without passing its error on: the training loop waits on its
+    queue for ever, where no hook of memprof's runs to see the deadline. It hung past any --timeout;
+    the steps tracked before are reported, and the script's own SIGALRM handling is left as it was."""
+    import signal
+
+    script = write(tmp_path, """
+        import queue, torch
+        m = torch.nn.Linear(512, 512)
+        o = torch.optim.SGD(m.parameters(), 0.1)
+        for step in range(8):
+            m(torch.ones(8, 512)).sum().backward()
+            o.step(); o.zero_grad()
+        queue.Queue().get()  # the batch that never comes
+    """)
+    before = signal.getsignal(signal.SIGALRM)
+    report = observe_script(script, steps=20, warmup=1, timeout=3.0)
+    assert report.meta["observed_steps"] == 7  # 8 steps, the first a warm-up
+    assert signal.getsignal(signal.SIGALRM) == before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
 def test_script_already_tracking(tmp_path, clean):
     script = write(tmp_path, """
         import torch, memprof
