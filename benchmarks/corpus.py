@@ -183,6 +183,12 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "swa-cifar": (".", "swa_cifar.py", ["--steps", "10"], ()),
     "autoresearch-gpt": (".", "autoresearch_gpt.py", ["--steps", "10"], ()),
     "varlen-finetune": (".", "varlen_finetune.py", ["--steps", "10"], ()),
+    "einops-vit-metrics": (".", "einops_vit_metrics.py", ["--steps", "10"], ("einops", "torchmetrics")),
+    "jit-scripted-rnn": (".", "jit_scripted_rnn.py", ["--steps", "10"], ()),
+    "grouped-mm-moe": (".", "grouped_mm_moe.py", ["--steps", "10"], ()),
+    "custom-op-library": (".", "custom_op_library.py", ["--steps", "10"], ()),
+    "threaded-prefetch": (".", "threaded_prefetch.py", ["--steps", "10"], ()),
+    "memory-fraction-cap": (".", "memory_fraction_cap.py", ["--steps", "10"], ()),
 }
 
 

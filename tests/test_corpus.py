@@ -170,7 +170,9 @@ def test_track_simulates_the_script(name, tmp_path):
     assert peak["parameters"] > 0
     # Adam's moments or SGD's momentum; pytorch/examples' word language model updates the parameters
     # itself (lstm-lm's first loop too, which is the one tracked: its GRU classifier with Adam comes after)
-    assert (peak["optimizer_state"] > 0) == (name not in {"word-lm-transformer", "word-lm-lstm", "lstm-lm"})
+    # (and a TorchScript LSTM's, trained with SGD without momentum)
+    assert (peak["optimizer_state"] > 0) == (name not in {"word-lm-transformer", "word-lm-lstm", "lstm-lm",
+                                                          "jit-scripted-rnn"})
     assert "Traceback" not in stderr
 
 
@@ -246,7 +248,7 @@ def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
                                   "prefetch-classifier", "dcgan", "conformer-asr", "hf-detr-matcher", "wav2vec2-ctc",
                                   "dino-multicrop", "kge-sparse-adam", "rwkv-tbptt", "raft-flow",
                                   "reformer-reversible", "tabnet-ghost-bn", "swa-cifar", "autoresearch-gpt",
-                                  "varlen-finetune"])
+                                  "varlen-finetune", "einops-vit-metrics", "threaded-prefetch"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -291,6 +293,10 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert not any("expandable" in p.split("+") for p in plans)
     if name == "kge-sparse-adam":  # FSDP2 reduces no sparse gradient
         assert "makes sparse gradients (sparse=True)" in advice["failed"]["offload_states"]
+    if name == "einops-vit-metrics":  # vit-pytorch's layers: ModuleList([ModuleList([Attention, FeedForward])])
+        assert {"ckpt", "ckpt+accum2"} <= plans, advice["failed"]
+    if name == "threaded-prefetch":  # its prefetching thread runs on the simulated GPU in every plan's run
+        assert not advice["failed"] and {"accum2", "bf16", "ckpt"} <= plans
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
         assert "accum2" in plans and "torch.distributed" in advice["baseline"]["meta"]["simulation_notes"]
 
@@ -312,6 +318,8 @@ WHAT_IT_DOES = {
     # each turns expandable segments on in its first lines (PYTORCH_ALLOC_CONF; PYTORCH_CUDA_ALLOC_CONF by setdefault)
     "autoresearch-gpt": {"autocast": "bf16", "micro_batches": 2, "expandable_segments": True},
     "varlen-finetune": {"autocast": "fp16", "micro_batches": 1, "expandable_segments": True},
+    "einops-vit-metrics": {"autocast": "bf16", "micro_batches": 1, "checkpointed": []},
+    "threaded-prefetch": {"autocast": None, "micro_batches": 1, "optimizer": "SGD"},
 }
 
 
