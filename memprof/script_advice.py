@@ -85,8 +85,11 @@ def apply_to_script(strategies: list, model: nn.Module, optimizer: torch.optim.O
         batch = facts.batch_size if facts is not None else None
         cut = _MicroBatchCut(w.micro_batches, batch, facts.micro_batches if facts is not None else 1, model)
         if batch and not cut.sizes:
-            raise ValueError(f"a batch of {batch} samples cannot be cut into {w.micro_batches} micro-batches "
-                             "of equal size")
+            first = next(iter(facts.batch.items()), None)
+            taken = f" (dimension 0 of {first[0]} {tuple(first[1][0])})" if first else ""
+            raise ValueError(f"a batch of {batch} samples{taken} cannot be cut into {w.micro_batches} micro-batches "
+                             "of equal size; where the batch is not the first dimension (a time-major recurrent "
+                             "network's), accumulate in the script itself")
         stack.enter_context(cut)
         stack.enter_context(_later_micro_batches(model, optimizer, w.micro_batches))
 

@@ -952,7 +952,9 @@ def test_micro_batches_must_divide_the_batch():
     net = nn.Linear(8, 1)
     facts = ScriptFacts(batch={"x": ([4, 8], "fp32")})
     with ExitStack() as stack:
-        with pytest.raises(ValueError, match="a batch of 4 samples cannot be cut into 8 micro-batches of equal size"):
+        # the tensor and dimension it was taken from: a time-major batch (35 steps x 20) is not 35 samples
+        with pytest.raises(ValueError, match=r"a batch of 4 samples \(dimension 0 of x \(4, 8\)\) cannot be cut "
+                                             "into 8 micro-batches of equal size; where the batch is not the first"):
             apply_to_script([Accumulation(8)], net, torch.optim.SGD(net.parameters(), lr=0.1), True, stack, facts)
         w = apply_to_script([Accumulation(2)], net, torch.optim.SGD(net.parameters(), lr=0.1), True, stack, facts)
         assert w.micro_batches == 2
