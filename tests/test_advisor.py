@@ -186,6 +186,11 @@ def test_a_plan_as_fast_as_the_step_as_it_is_ranks_after_it():
     ranked = rerank(table, budget=10 * MiB)
     assert list(ranked.index) == ["baseline", "bf16", "ckpt", "accum2"] and best_of(ranked) == "baseline"
     assert list(rerank(table, budget=7 * MiB).index) == ["baseline", "ckpt", "accum2", "bf16"]
+    # less than 2 % faster is no reason to change the script (a TorchScript LSTM's bf16: -0.5 %); 2 % is
+    table.loc["bf16", "seconds"] = 0.05 * 0.985
+    assert best_of(rerank(table, budget=10 * MiB)) == "baseline"
+    table.loc["bf16", "seconds"] = 0.05 * 0.979
+    assert list(rerank(table, budget=10 * MiB).index) == ["bf16", "baseline", "ckpt", "accum2"]
 
 
 def test_advise_renders_with_rich(advice):
