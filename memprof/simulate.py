@@ -512,6 +512,9 @@ class SimulatedAllocator(TorchDispatchMode):
                               "size its outputs: simulated by running its implementation's operators")
                 with self:
                     return implementation(*args, **kwargs)
+            if self.note is not None and _maybe_opdef(func) is not None:
+                self.note(f"{func.name()} (a custom operator)", "sized by its fake implementation: its outputs "
+                          "and what autograd saves of them are counted, its kernel's own scratch memory is not")
         out, cost = KERNELS.run(func, args, kwargs, _cost)
         own = self.script_meta
         if own is not None and own.claims(args, kwargs):  # the script's own meta tensors: no GPU memory, no kernel
@@ -611,14 +614,19 @@ class SimulatedAllocator(TorchDispatchMode):
 _PYTORCH_NAMESPACES = frozenset(("aten", "prims", "_c10d_functional", "c10d", "_dtensor", "profiler"))
 
 
-def _without_fake(func) -> Callable | None:
-    """The implementation of a ``torch.library.custom_op`` registered without a fake one (its meta
-    kernel raises "no fake impl registered"): on a GPU it runs eagerly all the same. Else None."""
+def _maybe_opdef(func) -> Any:
+    """The ``torch.library.custom_op`` definition of ``func``, or None."""
     try:
         from torch._library.custom_ops import _maybe_get_opdef
     except ImportError:
         return None
-    opdef = _maybe_get_opdef(func)
+    return _maybe_get_opdef(func)
+
+
+def _without_fake(func) -> Callable | None:
+    """The implementation of a ``torch.library.custom_op`` registered without a fake one (its meta
+    kernel raises "no fake impl registered"): on a GPU it runs eagerly all the same. Else None."""
+    opdef = _maybe_opdef(func)
     if opdef is None or getattr(opdef, "_abstract_fn", True) is not None:
         return None
     backends = getattr(opdef, "_backend_fns", {})

@@ -1146,6 +1146,17 @@ def test_a_custom_operator_without_a_fake_runs_its_implementation():
         assert y.shape == (512, 512) and y.is_cuda
         assert a.model.peak_allocated == 3 * MiB and a.model.allocated == 2 * MiB  # x, x * 2, y; then x, y
     assert "registered without a fake implementation" in device.notes[f"{name} (a custom operator)"]
+    # with a fake, the fake sizes its outputs: what the implementation makes inside is not seen, and said
+    faked = f"memprof_test::faked_{uuid.uuid4().hex[:8]}"
+
+    @torch.library.custom_op(faked, mutates_args=(), device_types="cuda")
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 0
+
+    doubled.register_fake(lambda x: torch.empty_like(x))
+    with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)) as device:
+        assert doubled(torch.randn(512, 512, device="cuda")).shape == (512, 512)
+    assert "its kernel's own scratch memory is not" in device.notes[f"{faked} (a custom operator)"]
 
 
 def test_a_scripts_own_memory_fraction_caps_the_simulated_gpu():
