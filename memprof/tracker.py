@@ -1405,6 +1405,8 @@ class Tracker:
                 # A backward inside backward (reentrant checkpointing, reversible layers): its graph,
                 # made inside the outer one's backward, has none of this step's node hooks.
                 t._hook_nested(args[0] if args else kwargs["t_outputs"])
+            elif t is not None and (args or "t_outputs" in kwargs):
+                t._hook_loss(args[0] if args else kwargs["t_outputs"])
             return own(*args, **kwargs)
 
         for module in (graph, autograd):
@@ -1575,6 +1577,29 @@ class Tracker:
                     if n is not None and n not in seen:
                         seen.add(n)
                         todo.append(n)
+
+    def _hook_loss(self, outputs: Any) -> None:
+        """Hook the nodes between what backward starts from and the model's output (a loss computed
+        outside the model: cross-entropy's log-softmax and NLL), which :meth:`_hook_graph`, at the
+        model's output, does not reach: their gradients are activation gradients, and the large one
+        they make (the logits' gradient, beside the log-probabilities still saved for it) is sampled
+        as it is made. A language model with a large vocabulary peaks there, and the interval's end
+        had named the log-probabilities and both gradients temporaries."""
+        if self._done or not self._profiled or not self._active or self._graph_top is None:
+            return
+        top, hook = self._graph_top, self._node_hook
+        todo = [t.grad_fn for t in ([outputs] if isinstance(outputs, torch.Tensor) else outputs)
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen = set(todo)
+        while todo:
+            node = todo.pop()
+            if node._sequence_nr() <= top or type(node).__name__ == "AccumulateGrad":
+                continue  # the model's nodes (hooked at its output), or a parameter's
+            node.register_hook(hook)
+            for n, _ in node.next_functions:
+                if n is not None and n not in seen:
+                    seen.add(n)
+                    todo.append(n)
 
     def _on_node_grads(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         if self._done or not self._profiled or not self._active:
