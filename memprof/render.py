@@ -138,8 +138,9 @@ def batch_shapes_note(meta: dict) -> str:
     shown = "; ".join(map(text, shapes))
     peak = meta.get("peak_batch_shape")
     at = f" The peak is that of a step on {text(peak)}." if peak is not None else ""
-    return (f"The model's inputs changed shape between steps ({seen} shapes: {shown}{'; ...' if seen > len(shapes) else ''})"
-            f", and each step's peak follows its batch.{at} A larger batch later in the run (a longer sequence "
+    more = "; ..." if seen > len(shapes) else ""
+    return (f"The model's inputs changed shape between steps ({seen} shapes: {shown}{more}), and each step's peak "
+            f"follows its batch.{at} A larger batch later in the run (a longer sequence "
             "under dynamic padding) needs more: pad to the longest length, or track a step on the largest batch, "
             "to size the GPU.")
 

@@ -458,8 +458,9 @@ class Tracker:
             for ref in self._roots:
                 root = ref()
                 # nn.Module's own methods: a TorchScript module's refuse hooks, yet its calls from Python run them
-                self._handles += [nn.Module.register_forward_pre_hook(root, Shared(self._on_root_pre), with_kwargs=True),
-                                  nn.Module.register_forward_hook(root, Shared(self._on_root_post), always_call=True)]
+                self._handles += [
+                    nn.Module.register_forward_pre_hook(root, Shared(self._on_root_pre), with_kwargs=True),
+                    nn.Module.register_forward_hook(root, Shared(self._on_root_post), always_call=True)]
                 self._wrap_zero_grad(root)
             # Parameters and buffers a tracked module registers while tracked (the pruning
             # tutorial's prune.global_unstructured: weight_orig and weight_mask, between steps).
@@ -741,7 +742,8 @@ class Tracker:
                 if module is not None and id(module) not in hooked:
                     hooked.add(id(module))
                     h.append(nn.Module.register_forward_pre_hook(module, Shared(self._on_pre)))
-                    h.append(nn.Module.register_forward_hook(module, Shared(self._on_post), with_kwargs=True, always_call=True))
+                    h.append(nn.Module.register_forward_hook(module, Shared(self._on_post), with_kwargs=True,
+                                                             always_call=True))
         # Bound once a step, not once a node or parameter (see _hook_graph).
         self._node_hook = self._on_node_grads
         if full:  # a cheap step looks at the gradients at its bracket's samples only
@@ -1779,8 +1781,8 @@ class Tracker:
 
     def _enter_optimizer(self) -> None:
         self._end_backward(Phase.OPTIMIZER_STEP, ("optimizer", ""))
-        if self._simulated and self._optimizer_flops_at is None:
-            self._optimizer_flops_at = self._counters.flops  # (every optimizer of the step, to its end)
+        if self._simulated and self._optimizer_flops_at is None:  # (every optimizer of the step, to its end)
+            self._optimizer_flops_at = getattr(self._counters, "flops", None)  # none without a simulated allocator
 
     def _on_optimizer_post(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if not self._is_ours(opt) or transformed():  # a step captured in a CUDA graph is not one run

@@ -288,7 +288,8 @@ def test_batches_of_several_shapes_are_said():
     assert r.meta["batch_shapes_seen"] == 3
     assert r.peak.step == 1 and r.meta["peak_batch_shape"] == [[8, 128]]  # the longest batch peaks highest
     assert ("The model's inputs changed shape between steps (3 shapes: (8, 64); (8, 128); (8, 32)), and each "
-            "step's peak follows its batch. The peak is that of a step on (8, 128).") in " ".join(report_text(r).split())
+            "step's peak follows its batch. The peak is that of a step on (8, 128).") in " ".join(
+                report_text(r).split())
     assert "The model&#x27;s inputs changed shape between steps (3 shapes" in report_html(r)
     steady = run([64, 64, 64])
     assert "batch_shapes" not in steady.meta and "changed shape" not in report_text(steady)
