@@ -1586,8 +1586,10 @@ class Tracker:
         model's output, does not reach: their gradients are activation gradients, and the large one
         they make (the logits' gradient, beside the log-probabilities still saved for it) is sampled
         as it is made. A language model with a large vocabulary peaks there, and the interval's end
-        had named the log-probabilities and both gradients temporaries."""
-        if self._done or not self._profiled or not self._active or self._graph_top is None:
+        had named the log-probabilities and both gradients temporaries. Where the allocator's counters
+        are (CUDA, simulated): on the CPU the peak is the highest sample, and these are no samples of it."""
+        if (self._done or not self._profiled or not self._active or self._graph_top is None
+                or not self._counters.available):
             return
         top, hook = self._graph_top, self._node_hook
         todo = [t.grad_fn for t in ([outputs] if isinstance(outputs, torch.Tensor) else outputs)

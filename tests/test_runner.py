@@ -843,10 +843,11 @@ def test_a_distributed_script_stopped_early_can_run_again(tmp_path, clean):
         assert report.meta["simulation_notes"]["torch.distributed"].startswith("torch.distributed ran one rank of 1")
         assert report.steps["step"].tolist() == [0, 1] and not dist.is_initialized()
         # DDP's reducer keeps a bucket for the 1 MiB weight's gradient beside it (gradient_as_bucket_view
-        # off), counted with the temporaries, as are the batch (8 x 512 fp32) and two 512-byte scalars.
+        # off), counted with the temporaries, as are the batch (8 x 512 fp32) and the loss, a 512-byte
+        # scalar; the loss's gradient, another, is an activation gradient (the loss's nodes are hooked).
         peak = report.peak.bytes
         assert peak["parameters"] == peak["gradients"] == MiB
-        assert peak["temporaries"] == MiB + 8 * 512 * 4 + 2 * 512
+        assert peak["temporaries"] == MiB + 8 * 512 * 4 + 512 and peak["activation_gradients"] == 512
 
 
 @pytest.mark.parametrize("kw", [{"steps": 0}, {"warmup": 0}, {"steps": 1.5}, {"timeout": 0}])

@@ -295,27 +295,6 @@ def test_batches_of_several_shapes_are_said():
     assert "batch_shapes" not in steady.meta and "changed shape" not in report_text(steady)
 
 
-def test_a_loss_outside_the_model_names_what_its_backward_holds():
-    """Cross-entropy outside the model: log-softmax saves its output, NLL's backward makes its gradient
-    and log-softmax's the logits' gradient, all three alive at once: where a model with a large output
-    peaks. No hook sampled there (the model's nodes are hooked at its output, the loss's are above it):
-    the peak's interval was named at its end, by then without them (on a GPU they were temporaries). The
-    loss's nodes are hooked too: 256 x 4096 fp32 log-probabilities (4 MiB, and the 2 KiB of targets NLL
-    saves) are activations, both gradients (4 MiB each) activation gradients."""
-    model = nn.Linear(64, 4096, bias=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with memprof.track(model, opt, warmup=3) as prof:
-        for _ in range(3):
-            x, y = torch.randn(256, 64), torch.randint(0, 4096, (256,))
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    r = prof.report()
-    assert r.peak.phase == "loss"
-    assert {k: v for k, v in r.peak.bytes.items() if v} == {
-        "parameters": MiB, "activations": 4 * MiB + 256 * 8, "activation_gradients": 8 * MiB, "inputs": 64 * 1024}
-
-
 def test_inputs_in_lists_and_dicts():
     """DINO calls model(crops), a list of views; DETR passes one target dict per image. Every
     tensor in them is an input (they were temporaries)."""
