@@ -98,6 +98,22 @@ def own_forward(module: nn.Module) -> bool:
     return inspect.getattr_static(type(module), "forward", None) is not nn.Module.forward
 
 
+def _hook_nodes(todo: list, hook: Callable, keep: Callable[[Any], bool]) -> None:
+    """``hook`` on the autograd nodes from ``todo`` down, as far as ``keep(node)`` holds."""
+    seen = set(todo)
+    while todo:
+        node = todo.pop()
+        # AccumulateGrad's output is a parameter's .grad (_on_grad_accumulated
+        # names it), and it has no next functions. By its type's name:
+        # hasattr(node, "variable") raises and catches an error at every other node.
+        if type(node).__name__ != "AccumulateGrad" and keep(node):
+            node.register_hook(hook)
+            for n, _ in node.next_functions:
+                if n is not None and n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+
+
 def _leaves(obj: Any) -> list[torch.Tensor]:
     """Every tensor in the root's inputs, however nested: DINO's list of crops, DETR's per-image
     target dicts (storages recorded already keep their category: a carried state stays activations)."""
@@ -1567,18 +1583,7 @@ class Tracker:
             # A cheap step hooks the nodes backward runs before its bracket closes
             # (see _Plan), with a margin: a node hooked needlessly only costs its call.
             floor = None if self._full else top - (self._plan.depth * 5 // 4 + 32)
-        seen = set(todo)
-        while todo:
-            node = todo.pop()
-            # AccumulateGrad's output is a parameter's .grad (_on_grad_accumulated
-            # names it), and it has no next functions. By its type's name:
-            # hasattr(node, "variable") raises and catches an error at every other node.
-            if type(node).__name__ != "AccumulateGrad" and (floor is None or node._sequence_nr() >= floor):
-                node.register_hook(hook)
-                for n, _ in node.next_functions:
-                    if n is not None and n not in seen:
-                        seen.add(n)
-                        todo.append(n)
+        _hook_nodes(todo, hook, lambda node: floor is None or node._sequence_nr() >= floor)
 
     def _hook_loss(self, outputs: Any) -> None:
         """Hook the nodes between what backward starts from and the model's output (a loss computed
@@ -1591,19 +1596,10 @@ class Tracker:
         if (self._done or not self._profiled or not self._active or self._graph_top is None
                 or not self._counters.available):
             return
-        top, hook = self._graph_top, self._node_hook
+        top = self._graph_top
         todo = [t.grad_fn for t in ([outputs] if isinstance(outputs, torch.Tensor) else outputs)
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        seen = set(todo)
-        while todo:
-            node = todo.pop()
-            if node._sequence_nr() <= top or type(node).__name__ == "AccumulateGrad":
-                continue  # the model's nodes (hooked at its output), or a parameter's
-            node.register_hook(hook)
-            for n, _ in node.next_functions:
-                if n is not None and n not in seen:
-                    seen.add(n)
-                    todo.append(n)
+        _hook_nodes(todo, self._node_hook, lambda node: node._sequence_nr() > top)  # not the model's, hooked already
 
     def _on_node_grads(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         if self._done or not self._profiled or not self._active:
