@@ -7,7 +7,7 @@ allocations and frees, without a GPU.
 What is modelled is ``DeviceCachingAllocator`` of
 ``c10/cuda/CUDACachingAllocator.cpp`` with ``max_split_size`` unlimited, no
 ``roundup_power2_divisions`` and no garbage collection threshold (their
-defaults), ``expandable_segments`` off or on, one device, one stream, no CUDA
+defaults), ``expandable_segments`` off or on, one device, any streams, no CUDA
 graphs. By default:
 
 * ``round_size``: a request becomes a multiple of 512 bytes (kMinBlockSize),
@@ -15,8 +15,10 @@ graphs. By default:
 * ``get_pool``: rounded sizes <= 1 MiB (kSmallSize) go to the small pool, the
   rest to the large pool; the pools never share blocks.
 * ``get_free_block``: best fit, the smallest cached free block of the pool
-  with ``block.size >= size``, ties broken by the lower address (the pool is a
-  ``std::set`` ordered by (stream, size, ptr)).
+  with ``block.size >= size`` made for the requesting stream, ties broken by
+  the lower address (the pool is a ``std::set`` ordered by (stream, size,
+  ptr)). A segment is made for one stream and its blocks serve that stream
+  only (``malloc``'s ``stream``: an id, 0 the default stream).
 * ``get_allocation_size``: with no fitting block a segment is cudaMalloc'ed:
   2 MiB (kSmallBuffer) for the small pool; 20 MiB (kLargeBuffer) for large
   requests < 10 MiB (kMinLargeAlloc); otherwise the request rounded up to a
@@ -63,8 +65,10 @@ the large one. ``memory_reserved`` counts the mapped pages only.
   ``segment.all.current`` counts no expandable segment (``map_block`` does not
   touch it), nor does :attr:`CachingAllocatorModel.num_segments`.
 
-Not modelled: other streams and ``record_stream`` (blocks are never held by
-pending events), CUDA graph private pools, ``max_split_size_mb``,
+Not modelled here: ``record_stream`` (a block another stream used, held until
+that stream's work is done: :class:`memprof.simulate.SimulatedAllocator`
+holds such frees back, with its clocks), CUDA graph private pools (the
+simulated device gives a capture a stream of its own instead), ``max_split_size_mb``,
 ``roundup_power2_divisions``, garbage collection, and the real device's own
 limits (CUDA context, other processes, fragmentation of device memory):
 ``capacity`` is the memory the device can give (``cudaMalloc`` failing; with
@@ -241,9 +245,9 @@ class _Block:
     that segment is expandable."""
 
     __slots__ = ("addr", "size", "requested", "small", "allocated", "prev", "next", "segment", "mapped",
-                 "expandable")
+                 "expandable", "stream")
 
-    def __init__(self, addr: int, size: int, small: bool, segment: int) -> None:
+    def __init__(self, addr: int, size: int, small: bool, segment: int, stream: int = 0) -> None:
         self.addr = addr
         self.size = size
         self.requested = 0
@@ -254,6 +258,7 @@ class _Block:
         self.segment = segment  # base address of its segment
         self.mapped = True  # backed by physical pages: False only for an expandable segment's unmapped space
         self.expandable = False
+        self.stream = stream  # the stream its segment was made for: its blocks serve that stream only
 
     def __repr__(self) -> str:
         state = "allocated" if self.allocated else "free" if self.mapped else "unmapped"
@@ -294,9 +299,9 @@ class CachingAllocatorModel:
         self.num_device_free = 0
         self.num_alloc_retries = 0
         self.num_ooms = 0
-        # Free mapped blocks of each pool, sorted by (size, address): BlockPool::blocks.
-        self._free_small: list[tuple[int, int]] = []
-        self._free_large: list[tuple[int, int]] = []
+        # Free mapped blocks of each pool, sorted by (stream, size, address): BlockPool::blocks.
+        self._free_small: list[tuple[int, int, int]] = []
+        self._free_large: list[tuple[int, int, int]] = []
         # Unmapped blocks of each pool's expandable segments, by address: BlockPool::unmapped.
         self._unmapped_small: list[int] = []
         self._unmapped_large: list[int] = []
@@ -350,8 +355,8 @@ class CachingAllocatorModel:
         """Reserved but not allocated bytes."""
         return self.reserved - self.allocated
 
-    def malloc(self, nbytes: int) -> int:
-        """Allocate ``nbytes``; returns a handle for :meth:`free`.
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
+        """Allocate ``nbytes`` for ``stream`` (an id: 0 the default stream); returns a handle for :meth:`free`.
 
         Raises :class:`SimulatedOOM` when ``capacity`` is set and a needed new
         segment (or page) does not fit even after releasing the cached ones."""
@@ -369,9 +374,9 @@ class CachingAllocatorModel:
         pool = self._free_small if small else self._free_large
 
         # get_free_block: lower_bound on (size, nullptr) -> best fit, lowest address.
-        i = bisect_left(pool, (size,))
-        if i < len(pool):
-            block = self._blocks[pool[i][1]]
+        i = bisect_left(pool, (stream, size))
+        if i < len(pool) and pool[i][0] == stream:
+            block = self._blocks[pool[i][2]]
             if block.expandable:
                 block = self._expandable_fit(pool, i)
             else:
@@ -381,14 +386,14 @@ class CachingAllocatorModel:
         else:
             block = None
         if block is None:
-            block = self._alloc_block(nbytes, size, small)
+            block = self._alloc_block(nbytes, size, small, stream)
 
         # should_split + alloc_found_block
         remaining = block.size - size
         split = remaining >= K_MIN_BLOCK_SIZE if small or self.expandable_segments else remaining > K_SMALL_SIZE
         if split:
-            rest = _Block(block.addr + size, remaining, small, block.segment)
-            rest.expandable = block.expandable
+            rest = _Block(block.addr + size, remaining, small, block.segment, block.stream)
+            rest.expandable = block.expandable  # and its stream: a block never changes stream
             rest.prev = block
             rest.next = block.next
             if rest.next is not None:
@@ -396,7 +401,7 @@ class CachingAllocatorModel:
             block.next = rest
             block.size = size
             self._blocks[rest.addr] = rest
-            insort(pool, (remaining, rest.addr))
+            insort(pool, _key(rest))
 
         block.allocated = True
         block.requested = nbytes
@@ -428,7 +433,7 @@ class CachingAllocatorModel:
         # free_block: try_merge_blocks with prev, then next (free and mapped alike).
         prev = block.prev
         if prev is not None and not prev.allocated and prev.mapped:
-            del pool[bisect_left(pool, (prev.size, prev.addr))]
+            del pool[bisect_left(pool, _key(prev))]
             del blocks[block.addr]
             block.addr = prev.addr
             block.size += prev.size
@@ -438,14 +443,14 @@ class CachingAllocatorModel:
             blocks[block.addr] = block
         nxt = block.next
         if nxt is not None and not nxt.allocated and nxt.mapped:
-            del pool[bisect_left(pool, (nxt.size, nxt.addr))]
+            del pool[bisect_left(pool, _key(nxt))]
             del blocks[nxt.addr]
             block.size += nxt.size
             block.next = nxt.next
             if block.next is not None:
                 block.next.prev = block
 
-        insort(pool, (block.size, block.addr))
+        insort(pool, _key(block))
         if block.prev is None and block.next is None and not block.expandable:
             self._whole_free[block.addr] = block
 
@@ -463,6 +468,11 @@ class CachingAllocatorModel:
         """Bytes the allocation counts in ``allocated`` (0 for 0-byte ones)."""
         block = self._handles[handle]
         return 0 if block is None else block.size
+
+    def stream_of(self, handle: int) -> int | None:
+        """The stream the allocation was made for (None for 0-byte ones)."""
+        block = self._handles[handle]
+        return None if block is None else block.stream
 
     def address_of(self, handle: int) -> int | None:
         """Synthetic device address of an allocation (None for 0-byte ones)."""
@@ -522,6 +532,7 @@ class CachingAllocatorModel:
                     "total_size": sum(b["size"] for b in seg_blocks),
                     "segment_type": "small" if head.small else "large",
                     "is_expandable": head.expandable,
+                    "stream": head.stream,
                     "allocated_size": allocated,
                     "requested_size": requested,
                     "blocks": seg_blocks,
@@ -532,8 +543,8 @@ class CachingAllocatorModel:
         """Assert the model's internal consistency (for tests; O(blocks))."""
         mapped_total = 0
         alloc_total = 0
-        free_small: list[tuple[int, int]] = []
-        free_large: list[tuple[int, int]] = []
+        free_small: list[tuple[int, int, int]] = []
+        free_large: list[tuple[int, int, int]] = []
         unmapped_small: list[int] = []
         unmapped_large: list[int] = []
         seen = 0
@@ -550,6 +561,7 @@ class CachingAllocatorModel:
                 seen += 1
                 assert block.addr == addr, f"gap or overlap at 0x{addr:x}"
                 assert block.segment == base and block.small == head.small and block.expandable == expandable
+                assert block.stream == head.stream
                 assert block.prev is prev
                 assert self._blocks.get(block.addr) is block
                 assert block.size > 0 and block.size % K_MIN_BLOCK_SIZE == 0
@@ -558,7 +570,7 @@ class CachingAllocatorModel:
                     alloc_total += block.size
                 elif block.mapped:
                     assert prev is None or prev.allocated or not prev.mapped, "two adjacent free blocks"
-                    (free_small if block.small else free_large).append((block.size, block.addr))
+                    (free_small if block.small else free_large).append(_key(block))
                     whole = block.prev is None and block.next is None
                     assert (self._whole_free.get(block.addr) is block) == (whole and not expandable)
                 else:
@@ -587,55 +599,55 @@ class CachingAllocatorModel:
 
     # ------------------------------------------------------------ internals
 
-    def _expandable_fit(self, pool: list[tuple[int, int]], i: int) -> _Block | None:
+    def _expandable_fit(self, pool: list[tuple[int, int, int]], i: int) -> _Block | None:
         """``get_free_block`` where the best fit, ``pool[i]``, is a block of an expandable segment."""
         blocks = self._blocks
-        block = blocks[pool[i][1]]
+        block = blocks[pool[i][2]]
         if self.expandable_segments:
             # A block at the mapped end of a segment counts as the size it can grow to.
-            while block.expandable and i + 1 < len(pool):
-                nxt = blocks[pool[i + 1][1]]
+            while block.expandable and i + 1 < len(pool) and pool[i + 1][0] == block.stream:
+                nxt = blocks[pool[i + 1][2]]
                 if _growable(nxt) >= _growable(block):
                     break
                 i, block = i + 1, nxt
         else:  # switched off since: only cudaMalloc'ed blocks are handed out
             while block.expandable:
                 i += 1
-                if i == len(pool):
+                if i == len(pool) or pool[i][0] != block.stream:
                     return None
-                block = blocks[pool[i][1]]
+                block = blocks[pool[i][2]]
         del pool[i]
         if block.prev is None and block.next is None and not block.expandable:
             del self._whole_free[block.addr]
         return block
 
-    def _alloc_block(self, nbytes: int, size: int, small: bool) -> _Block:
+    def _alloc_block(self, nbytes: int, size: int, small: bool, stream: int) -> _Block:
         """``alloc_block``, with malloc's retry after ``release_cached_blocks``."""
-        block = self._try_alloc(size, small)
+        block = self._try_alloc(size, small, stream)
         if block is None:
             # release_available_cached_blocks is a no-op without max_split_size;
             # release_cached_blocks frees every whole cached segment and free page, then retry.
             self._release_cached_blocks()
             self.num_alloc_retries += 1
-            block = self._try_alloc(size, small)
+            block = self._try_alloc(size, small, stream)
             if block is None:
                 self.num_ooms += 1
                 bound = min(b for b in (self.capacity, self.limit) if b is not None)
                 raise SimulatedOOM(nbytes, get_allocation_size(size), self.reserved, self.allocated, bound)
         return block
 
-    def _try_alloc(self, size: int, small: bool) -> _Block | None:
+    def _try_alloc(self, size: int, small: bool, stream: int) -> _Block | None:
         """A new segment (cudaMalloc), or with expandable segments the pages a block lacks; None where the
         device's memory cannot hold it, or the process's memory fraction does not allow it."""
         alloc_size = get_allocation_size(size)
         if self.limit is not None and self.reserved + alloc_size > self.limit:
             return None  # alloc_block's set_fraction check, before any segment is made or mapped
         if self.expandable_segments:
-            return self._try_allocate_expandable_block(size, small)
+            return self._try_allocate_expandable_block(size, small, stream)
         if self.capacity is not None and self.reserved + alloc_size > self.capacity:
             return None
         base = self._new_address(alloc_size)
-        block = _Block(base, alloc_size, small, base)
+        block = _Block(base, alloc_size, small, base, stream)
         self._blocks[base] = block
         self._segments[base] = alloc_size
         self._reserve(alloc_size)
@@ -652,9 +664,9 @@ class CachingAllocatorModel:
             self.peak_reserved = self.reserved
         self.num_device_alloc += 1
 
-    def _try_allocate_expandable_block(self, size: int, small: bool) -> _Block | None:
+    def _try_allocate_expandable_block(self, size: int, small: bool, stream: int) -> _Block | None:
         """``try_allocate_expandable_block``: map what the lowest room for ``size`` lacks."""
-        candidate = self._find_expandable_block(size, small)
+        candidate = self._find_expandable_block(size, small, stream)
         # candidate, then: unmapped -> ..., or free -> unmapped -> ...
         if not candidate.mapped and not self._map_block(candidate, min(candidate.size, size)):
             return None
@@ -664,15 +676,17 @@ class CachingAllocatorModel:
                 return None
             candidate = nxt
         pool = self._free_small if small else self._free_large
-        del pool[bisect_left(pool, (candidate.size, candidate.addr))]
+        del pool[bisect_left(pool, _key(candidate))]
         return candidate
 
-    def _find_expandable_block(self, size: int, small: bool) -> _Block:
-        """``find_expandable_block``: the lowest address of a segment where free and unmapped
-        blocks in a row hold ``size``; a new segment where none does."""
+    def _find_expandable_block(self, size: int, small: bool, stream: int) -> _Block:
+        """``find_expandable_block``: the lowest address of a segment of ``stream`` where free and
+        unmapped blocks in a row hold ``size``; a new segment where none does."""
         unmapped = self._unmapped_small if small else self._unmapped_large
         for addr in unmapped:
             start = self._blocks[addr]
+            if start.stream != stream:
+                continue
             if start.prev is not None and not start.prev.allocated:
                 start = start.prev  # a free block just before the unmapped space
             room, b = 0, start
@@ -684,7 +698,7 @@ class CachingAllocatorModel:
         page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
         space = -(-EXPANDABLE_ADDRESS_SPACE // page) * page
         base = self._new_address(space)
-        block = _Block(base, space, small, base)
+        block = _Block(base, space, small, base, stream)
         block.mapped, block.expandable = False, True
         self._blocks[base] = block
         self._expandable[base] = space
@@ -702,14 +716,14 @@ class CachingAllocatorModel:
         del unmapped[bisect_left(unmapped, block.addr)]
         block.mapped = True
         if mapped < block.size:
-            rest = _Block(block.addr + mapped, block.size - mapped, block.small, block.segment)
+            rest = _Block(block.addr + mapped, block.size - mapped, block.small, block.segment, block.stream)
             rest.mapped, rest.expandable = False, True
             self._splice(rest, block, block.next)
             insort(unmapped, rest.addr)
             block.size = mapped
         self._merge(block, block.prev)
         self._merge(block, block.next)
-        insort(self._free_small if block.small else self._free_large, (block.size, block.addr))
+        insort(self._free_small if block.small else self._free_large, _key(block))
         self._reserve(mapped)
         return True
 
@@ -722,17 +736,17 @@ class CachingAllocatorModel:
         if first >= last:
             return
         pool = self._free_small if block.small else self._free_large
-        del pool[bisect_left(pool, (block.size, block.addr))]
+        del pool[bisect_left(pool, _key(block))]
         del self._blocks[block.addr]
         for lo, hi, before in ((start, first, True), (last, end, False)):
             if hi > lo:  # prev? -> before -> block, or block -> after -> next?
-                free = _Block(block.segment + lo, hi - lo, block.small, block.segment)
+                free = _Block(block.segment + lo, hi - lo, block.small, block.segment, block.stream)
                 free.expandable = True
                 if before:
                     self._splice(free, block.prev, block)
                 else:
                     self._splice(free, block, block.next)
-                insort(pool, (free.size, free.addr))
+                insort(pool, _key(free))
         block.addr, block.size, block.mapped = block.segment + first, last - first, False
         self._blocks[block.addr] = block
         self._merge(block, block.prev)
@@ -757,7 +771,7 @@ class CachingAllocatorModel:
             return
         if src.mapped:
             pool = self._free_small if src.small else self._free_large
-            del pool[bisect_left(pool, (src.size, src.addr))]
+            del pool[bisect_left(pool, _key(src))]
         else:
             unmapped = self._unmapped_small if src.small else self._unmapped_large
             del unmapped[bisect_left(unmapped, src.addr)]
@@ -781,7 +795,7 @@ class CachingAllocatorModel:
         a segment left with nothing mapped."""
         for addr, block in self._whole_free.items():
             pool = self._free_small if block.small else self._free_large
-            del pool[bisect_left(pool, (block.size, addr))]
+            del pool[bisect_left(pool, _key(block))]
             del self._blocks[addr]
             del self._segments[addr]
             self.reserved -= block.size
@@ -791,13 +805,18 @@ class CachingAllocatorModel:
             return
         blocks = self._blocks
         for pool in (self._free_large, self._free_small):
-            for block in [blocks[addr] for _, addr in pool if blocks[addr].expandable]:
+            for block in [blocks[k[2]] for k in pool if blocks[k[2]].expandable]:
                 self._unmap_block(block)
                 if block.prev is None and block.next is None and not block.mapped:  # release_expandable_segment
                     unmapped = self._unmapped_small if block.small else self._unmapped_large
                     del unmapped[bisect_left(unmapped, block.addr)]
                     del blocks[block.addr]
                     del self._expandable[block.addr]
+
+
+def _key(block: _Block) -> tuple[int, int, int]:
+    """A free block's place in its pool: c10's ``BlockComparatorSize`` orders by stream, size, address."""
+    return block.stream, block.size, block.addr
 
 
 def _growable(block: _Block) -> int:

@@ -13,8 +13,10 @@ nothing for it) and one stream has nothing to record.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
+import threading
 import weakref
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -23,7 +25,7 @@ import torch
 
 from .devices import GPU
 
-__all__ = ["CudaRuntime", "Generator", "LEGACY_TYPES", "TENSOR_API", "legacy_type"]
+__all__ = ["CudaRuntime", "Generator", "LEGACY_TYPES", "TENSOR_API", "current_stream_id", "legacy_type"]
 
 log = logging.getLogger(__name__)
 
@@ -100,13 +102,14 @@ class CudaRuntime:
             "ExternalStream": _Stream,
             "Event": lambda *a, **k: _Event(vc.clock),
             "stream": _StreamContext,
-            "current_stream": lambda device=None: _STREAM,
+            "StreamContext": _StreamContext,
+            "current_stream": _current_stream,
             "default_stream": lambda device=None: _STREAM,
-            "set_stream": lambda stream: None,
+            "set_stream": _set_stream,
             "is_current_stream_capturing": lambda: False,
             "CUDAGraph": _Graph,
             "graph": _Capture,
-            "graph_pool_handle": lambda: (0, 0),
+            "graph_pool_handle": _graph_pool_handle,
             "make_graphed_callables": _make_graphed_callables,
             **self._memory(),
             "memory_cached": vc._count("reserved"),
@@ -146,8 +149,8 @@ class CudaRuntime:
             "set_device_index": lambda device: None,
             "set_device_idx": lambda device: None,
             "device_index": _NoDevice,
-            "current_stream": lambda device=None: _STREAM,
-            "set_stream": lambda stream: None,
+            "current_stream": _current_stream,
+            "set_stream": _set_stream,
             "synchronize": self._call("synchronize"),
             **self._memory(),
             "get_memory_info": _ignoring_args(vc.mem_get_info),
@@ -165,6 +168,16 @@ class CudaRuntime:
         model = getattr(self.allocator, "model", None)
         if model is not None:
             model.limit = int(fraction * self.gpu.memory_bytes)
+
+    def tensor_api(self) -> dict[str, Callable]:
+        """``torch.Tensor``'s CUDA methods (:data:`TENSOR_API`), ``record_stream`` told to the allocator."""
+        allocator = self.allocator
+
+        def record_stream(t: torch.Tensor, stream: Any) -> None:
+            if t.is_meta and hasattr(allocator, "record_stream"):
+                allocator.record_stream(t, getattr(stream, "stream_id", 0))
+
+        return {**TENSOR_API, "record_stream": record_stream}
 
     def set_allocator_settings(self, settings: str) -> None:
         """``torch.cuda.memory._set_allocator_settings`` and ``torch._C._accelerator_setAllocatorSettings``:
@@ -268,7 +281,7 @@ class _Graph:
     replays are not seen (only those it ran eagerly, its warm-up's and the capture)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        self._pool = _graph_pool_handle()  # a graph captured without a pool gets a private one
 
     def capture_begin(self, *args: Any, **kwargs: Any) -> None:
         return None
@@ -283,7 +296,7 @@ class _Graph:
         return None
 
     def pool(self) -> tuple[int, int]:
-        return (0, 0)
+        return self._pool
 
     def enable_debug_mode(self) -> None:
         return None
@@ -292,8 +305,34 @@ class _Graph:
         return None
 
 
-class _Capture(_NoDevice):
-    """``with torch.cuda.graph(g):``: the block runs eagerly (see :class:`_Graph`)."""
+_graph_pools = itertools.count(1)
+_pool_streams: dict[Any, "_Stream"] = {}
+
+
+def _graph_pool_handle() -> tuple[int, int]:
+    return (0, next(_graph_pools))
+
+
+class _Capture:
+    """``with torch.cuda.graph(g, pool=None, stream=None):`` as PyTorch's (torch/cuda/graphs.py): the
+    device synchronised and its cache emptied first ("free as much memory as we can for the graph"),
+    then the block runs eagerly (see :class:`_Graph`). What it allocates comes from the graph's
+    private pool (the graph's own, or ``pool`` shared with other graphs), which eager work does not
+    reuse: a stream of the pool's own stands for it."""
+
+    def __init__(self, cuda_graph: Any, pool: Any = None, stream: Any = None, **kwargs: Any) -> None:
+        pool = cuda_graph.pool() if pool is None and isinstance(cuda_graph, _Graph) else pool
+        if pool not in _pool_streams:
+            _pool_streams[pool] = _Stream()
+        self._context = _StreamContext(_pool_streams[pool])
+
+    def __enter__(self) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self._context.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._context.__exit__(*exc)
 
 
 def _make_graphed_callables(callables: Any, sample_args: Any, *args: Any, **kwargs: Any) -> Any:
@@ -312,16 +351,20 @@ def _replays_not_simulated() -> None:
 
 
 class _Stream:
-    """A CUDA stream of the simulated device: one queue, in order, never capturing a graph."""
+    """A CUDA stream of the simulated device, never capturing a graph. Its work runs on the
+    device's one simulated queue; its id tells the caching allocator which blocks it may
+    reuse (blocks serve the stream they were allocated on, as in CUDA's)."""
 
     device = _CUDA0
     cuda_stream = 0
-    stream_id = 0
+    stream_id = 0  # the default stream's
     device_index = 0
     device_type = 1
+    priority = 0
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
         self.priority = priority
+        self.stream_id = self.cuda_stream = next(_stream_ids)
 
     def is_capturing(self) -> bool:
         return False
@@ -341,18 +384,47 @@ class _Stream:
     def record_event(self, event: Any = None) -> Any:
         return event if event is not None else _Event()
 
-    def __enter__(self) -> "_Stream":
+    def __enter__(self) -> "_Stream":  # torch.Stream's: the current stream until exit
+        self._previous = _current_stream()
+        _set_stream(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        _set_stream(self.__dict__.pop("_previous", _STREAM))
 
 
-_STREAM = _Stream()
+_stream_ids = itertools.count(1)
+_STREAM = object.__new__(_Stream)  # the default stream (id 0)
+_current = threading.local()  # each thread's current stream: CUDA keeps one per thread, the default at its start
 
 
-class _StreamContext(_NoDevice):
-    """``with torch.cuda.stream(s):``"""
+def _current_stream(device: Any = None) -> _Stream:
+    return getattr(_current, "stream", _STREAM)
+
+
+def _set_stream(stream: Any) -> None:
+    if stream is not None:  # torch.cuda.set_stream(None) does nothing
+        _current.stream = stream
+
+
+def current_stream_id() -> int:
+    """The id of this thread's current stream on the simulated device (0: the default stream)."""
+    return getattr(_current, "stream", _STREAM).stream_id
+
+
+class _StreamContext:
+    """``with torch.cuda.stream(s):`` (``None``: no change)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> Any:
+        self._previous = _current_stream()
+        _set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc: object) -> None:
+        _set_stream(self._previous)
 
 
 class _Event:
@@ -396,6 +468,7 @@ def _is_pinned(self: torch.Tensor, device: Any = None) -> bool:
 
 
 def _record_stream(self: torch.Tensor, stream: Any) -> None:
+    # Tensor.record_stream, where no simulated allocator counts the device's memory.
     return None
 
 

@@ -33,8 +33,9 @@ from torch.utils.flop_counter import flop_registry
 
 from .allocator import Counters, cublas_workspace_bytes
 from .aten_args import decomposes, tensors
-from .caching import (CachingAllocatorModel, allocator_settings, expandable_segments_setting,
+from .caching import (CachingAllocatorModel, SimulatedOOM, allocator_settings, expandable_segments_setting,
                       unmodelled_settings)
+from .cuda_api import current_stream_id
 from .cudnn import CONVOLUTIONS, cudnn_layout, tf32_allowed
 from .devices import GPU, get_gpu
 from .meta_kernels import PLAIN_TENSORS, KernelCache
@@ -220,7 +221,7 @@ class SimulatedAllocator(TorchDispatchMode):
         #: :func:`_kernel_kind`) is appended.
         self.trace: list[tuple[int, int, int, bool, bool, bool, int, int]] | None = None
         #: When a list, allocation and time events are appended: ``("m", handle,
-        #: bytes)``, ``("f", handle)``, ``("k", seconds, handles, host seconds)``
+        #: bytes, stream)``, ``("f", handle)``, ``("k", seconds, handles, host seconds)``
         #: for a kernel (its device time, the handles of the outputs it allocated,
         #: the host's time to issue it), ``("o", host seconds)`` for an operator
         #: without a kernel, ``("t", seconds, host seconds, synchronize)`` for a
@@ -237,6 +238,10 @@ class SimulatedAllocator(TorchDispatchMode):
         # A script's own threads (a prefetcher moving batches to the GPU) allocate too: one model
         # operation at a time, as CUDA's caching allocator takes its mutex.
         self._lock = threading.RLock()
+        # Blocks a stream other than their own used (Tensor.record_stream), and those of them freed
+        # while that stream's work queued so far was not done: (the device's time it is, handle).
+        self._stream_uses: set[int] = set()
+        self._pending: list[tuple[float, int]] = []
         #: cuBLAS's workspaces taken so far, by thread: autograd's (True) or the training thread's.
         self._workspaces: dict[bool, int] = {}
         # Peaks (allocated, reserved) folded in before memprof's own resets.
@@ -345,6 +350,7 @@ class SimulatedAllocator(TorchDispatchMode):
         return len(self._workspaces) * cublas_workspace_bytes(self.gpu.compute_capability)
 
     def empty_cache(self) -> None:
+        self._process_events(everything=True)
         self._model_call(self.model.empty_cache)
 
     def rewind(self, saved: CachingAllocatorModel) -> bool:
@@ -369,7 +375,7 @@ class SimulatedAllocator(TorchDispatchMode):
         for e in events:
             kind = e[0]
             if kind == "m":
-                handles[e[1]] = self._malloc(e[2])
+                handles[e[1]] = self._malloc(e[2], e[3])
                 continue
             if kind == "f":
                 self.free(handles.pop(e[1]))
@@ -414,12 +420,40 @@ class SimulatedAllocator(TorchDispatchMode):
         """:func:`replay_step` on this allocator's model."""
         return self._model_call(replay_step, self.model, events)
 
-    def _malloc(self, nbytes: int) -> int:
+    def _malloc(self, nbytes: int, stream: int | None = None) -> int:
+        """A block of ``nbytes`` for ``stream`` (default: this thread's current stream)."""
         if not self._configured:
             # PyTorch reads its allocator's settings at CUDA's first use, after a script's own
             # first lines (os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ...) have run.
             self.set_allocator_settings(*allocator_settings())
-        return self._model_call(self.model.malloc, nbytes, event=lambda handle: ("m", handle, nbytes))
+        if stream is None:
+            stream = current_stream_id()
+        if self._pending:
+            self._process_events()
+        try:
+            return self._model_call(self.model.malloc, nbytes, stream, event=lambda h: ("m", h, nbytes, stream))
+        except SimulatedOOM:
+            if not self._pending:
+                raise
+            # release_cached_blocks waits for every stream first (synchronize_and_free_events)
+            self._process_events(everything=True)
+            return self._model_call(self.model.malloc, nbytes, stream, event=lambda h: ("m", h, nbytes, stream))
+
+    def record_stream(self, t: torch.Tensor, stream: int) -> None:
+        """``t.record_stream(stream)``: where ``stream`` is not the one its block was allocated on, the
+        block goes back to the cache, once freed, only when the work queued on ``stream`` by then is done."""
+        handle = self.handle(t)
+        if handle is not None and stream != self.model.stream_of(handle):
+            self._stream_uses.add(handle)
+
+    def _process_events(self, everything: bool = False) -> None:
+        """``process_events``, at each malloc: the blocks freed while another stream used them go back
+        to the cache once the device has run what was queued before their free (its clock then <= the
+        host's now); all of them with ``everything`` (``synchronize_and_free_events``)."""
+        done = [h for at, h in self._pending if everything or at <= self.host]
+        self._pending = [(at, h) for at, h in self._pending if not (everything or at <= self.host)]
+        for h in done:
+            self.free(h)
 
     def set_allocator_settings(self, settings: str, name: str = "_set_allocator_settings") -> None:
         """``torch.cuda.memory._set_allocator_settings``: ``expandable_segments`` switched for the
@@ -486,7 +520,10 @@ class SimulatedAllocator(TorchDispatchMode):
 
     def _free(self, key: weakref.ref) -> None:
         handle = self._handles.pop(key, None)
-        if handle is not None:
+        if handle in self._stream_uses:  # insert_events: an event on the stream that used it, at the free
+            self._stream_uses.discard(handle)
+            self._pending.append((self.device, handle))
+        elif handle is not None:
             self.free(handle)
 
     #: Higher-order operators (flex attention) come to this mode too (see _higher_order).
@@ -728,7 +765,7 @@ def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> StepCounte
         kind = e[0]
         if kind == "m":
             if e[1] not in kept:
-                handles[e[1]] = model.malloc(e[2])
+                handles[e[1]] = model.malloc(e[2], e[3])
         elif kind == "f":
             model.free(handles.pop(e[1]))
         elif not (kind == "k" and e[2] and all(h in kept for h in e[2])):

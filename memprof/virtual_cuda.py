@@ -69,7 +69,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .aten_args import tensors
 from .autocast_policy import TORCHVISION_FP32, AutocastPolicy, cross_entropy_loss
 from .checks import raising_truth
-from .cuda_api import LEGACY_TYPES, TENSOR_API, CudaRuntime, Generator, legacy_type
+from .cuda_api import LEGACY_TYPES, CudaRuntime, Generator, legacy_type
 from .devices import GPU, get_gpu
 from .sdpa import Environment, jagged_attention
 from .triton_kernels import triton_launches
@@ -745,7 +745,7 @@ class VirtualCUDA:
             if hasattr(torch._C, "_accelerator_setAllocatorSettings"):  # what _set_allocator_settings calls
                 stack.enter_context(_replace(torch._C, "_accelerator_setAllocatorSettings",
                                              self.runtime.set_allocator_settings))
-            for attr, fn in TENSOR_API.items():
+            for attr, fn in self.runtime.tensor_api().items():
                 stack.enter_context(_replace(torch.Tensor, attr, fn))
             # Checkpointing compares what forward saved (recorded in autograd's hooks,
             # where the mode is off: device meta) with what recomputation saves

@@ -277,6 +277,36 @@ def test_pools_are_separate():
     assert (m.reserved, m.num_segments) == (22 * MiB, 2)  # reuses the cached 20 MiB segment
 
 
+def test_blocks_serve_the_stream_they_were_allocated_on():
+    """c10's pools order free blocks by (stream, size, address) and get_free_block takes only
+    a block of the requesting stream: a side stream's cached segment is not the default's."""
+    m = CachingAllocatorModel()
+    h = m.malloc(4 * MiB, stream=1)  # a 20 MiB segment for stream 1
+    m.free(h)
+    m.malloc(4 * MiB)  # the default stream (0) cannot take it: a segment of its own
+    assert (m.reserved, m.num_segments) == (40 * MiB, 2)
+    side = m.malloc(16 * MiB, stream=1)  # stream 1 takes its cached segment again
+    assert (m.reserved, m.num_segments) == (40 * MiB, 2)
+    assert m.stream_of(side) == 1
+    assert sorted((s["stream"], s["allocated_size"]) for s in m.snapshot()) == [(0, 4 * MiB), (1, 16 * MiB)]
+    m.free(side)
+    m.empty_cache()  # the whole free segment goes, whatever its stream
+    assert (m.reserved, m.num_segments) == (20 * MiB, 1)
+    m.check_invariants()
+
+
+def test_expandable_segments_are_made_per_stream():
+    m = CachingAllocatorModel(expandable_segments=True)
+    h = m.malloc(4 * MiB, stream=2)  # one 20 MiB page of stream 2's large segment
+    m.free(h)
+    m.malloc(4 * MiB)
+    assert m.reserved == 40 * MiB  # the default stream maps a page of a segment of its own
+    m.malloc(30 * MiB, stream=2)  # stream 2's segment maps one page more after its free one
+    assert m.reserved == 60 * MiB
+    assert sorted((s["stream"], s["total_size"]) for s in m.snapshot()) == [(0, 20 * MiB), (2, 40 * MiB)]
+    m.check_invariants()
+
+
 # ------------------------------------------------------------ empty_cache
 
 

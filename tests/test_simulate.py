@@ -390,6 +390,67 @@ def test_a_storage_resized_in_place_frees_and_takes_its_block():
     assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_
 
 
+def test_a_side_stream_has_blocks_of_its_own():
+    """A prefetcher's batch made on a side stream is cached for that stream: the default
+    stream makes a segment of its own, as CUDA's caching allocator does. The current stream
+    is a thread's own: another thread starts on the default one."""
+    import threading
+
+    from memprof.simulate import SimulatedAllocator
+
+    with VirtualCUDA(H100, allocator=SimulatedAllocator(H100)):
+        side = torch.cuda.Stream()
+        assert torch.cuda.current_stream() is torch.cuda.default_stream()
+        with torch.cuda.stream(side):
+            assert torch.cuda.current_stream() is side
+            seen = []
+            thread = threading.Thread(target=lambda: seen.append(torch.cuda.current_stream()))
+            thread.start()
+            thread.join()
+            assert seen == [torch.cuda.default_stream()]
+            batch = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.current_stream() is torch.cuda.default_stream()
+        del batch
+        x = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory_reserved() == 40 * MiB  # two 20 MiB segments, one per stream
+        with side:  # a stream is a context manager too
+            y = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory_reserved() == 40 * MiB
+        assert sorted(s["stream"] for s in torch.cuda.memory_snapshot()) == [0, side.stream_id]
+        del x, y
+
+
+def test_record_stream_holds_a_block_until_the_stream_is_done():
+    """A block another stream used (``record_stream``) goes back to the cache once that
+    stream's work queued before its free is done, as checked at the next allocation: while
+    the device is behind the host, a new batch takes a new segment; after a synchronisation
+    it reuses the block."""
+    from memprof.simulate import SimulatedAllocator
+
+    allocator = SimulatedAllocator(H100)
+    with VirtualCUDA(H100, allocator=allocator):
+        side = torch.cuda.Stream()
+        a = torch.empty(4096, 4096, device="cuda")  # 64 MiB, on the default stream
+        with torch.cuda.stream(side):
+            batch = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")  # a segment of exactly 12 MiB
+        batch.record_stream(torch.cuda.current_stream())
+        for _ in range(10):
+            a.mul_(2)  # the device runs behind the host from here
+        assert allocator.device > allocator.host
+        del batch
+        with torch.cuda.stream(side):
+            second = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory_reserved() == (64 + 12 + 12) * MiB
+        del second  # no other stream used it: cached at once
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            third = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")
+        assert (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) == ((64 + 12) * MiB, (64 + 24) * MiB)
+        torch.cuda.empty_cache()  # the other 12 MiB segment, free now, goes
+        assert torch.cuda.memory_reserved() == (64 + 12) * MiB
+        del a, third
+
+
 def test_moving_a_host_tensor_in_place():
     """``param.data = param.to("cuda")`` (FSDP moves its parameters so) keeps the object, as a
     GPU's ``set_data`` does; an index alone names the accelerator's device."""
@@ -650,7 +711,7 @@ def test_a_step_that_frees_an_earlier_block_is_not_replayed_and_leaves_the_model
 
     model = CachingAllocatorModel()
     earlier = model.malloc(1 << 20)  # a 1 MiB block from before the step
-    events = [("m", 7, 512 << 10), ("k", 1e-5, [7], 1e-5), ("f", earlier), ("m", 8, 2 << 20)]
+    events = [("m", 7, 512 << 10, 0), ("k", 1e-5, [7], 1e-5), ("f", earlier), ("m", 8, 2 << 20, 0)]
     assert kept_blocks(events) is None and kept_blocks(events[:2] + events[3:]) == {7, 8}
     before = (model.allocated, model.reserved, model.num_live)
     assert replay_step(model, events) is None
@@ -1012,7 +1073,7 @@ def test_block_freed_by_a_garbage_collection_inside_another_free(monkeypatch):
         blocks[4] = None
         collected.clear()
         monkeypatch.setattr(caching, "insort", insort)
-        counters = allocator.replay_step([("m", 1, 3 * MiB), ("m", 2, 3 * MiB), ("f", 2), ("f", 1)])
+        counters = allocator.replay_step([("m", 1, 3 * MiB, 0), ("m", 2, 3 * MiB, 0), ("f", 2), ("f", 1)])
         monkeypatch.undo()
         assert collected and collected[0] > 0
         assert counters.peak_allocated == (4 + 2) * 3 * MiB  # blocks 0, 1, 4 (freed after) and 5, and the two
