@@ -1394,10 +1394,12 @@ class Tracker:
 
     def _kept(self, t: torch.Tensor, packed: Any) -> Any:
         """What a pack hook returns for ``t``, ``packed`` by the hook chained to (or ``t``)."""
-        # What stays on the device is what the (possibly chained) hook kept:
-        # save_on_cpu returns a host copy, which costs the device nothing.
-        if isinstance(packed, torch.Tensor) and self._on_device(packed):
-            self._on_saved(packed)  # (the tensor itself: a parameter FSDP gathered is one)
+        # What stays on the device is what the (possibly chained) hook kept: save_on_cpu
+        # returns a host copy, which costs the device nothing; a compressing hook (ActNN's
+        # habit) its own tensors, in a tuple (int8 values, their scale), which are the activation.
+        for kept in _tensors(packed):
+            if self._on_device(kept):
+                self._on_saved(kept)  # (the tensor itself: a parameter FSDP gathered is one)
         return packed.detach() if packed is t else packed
 
     def _wrap_backward(self) -> None:
@@ -1457,10 +1459,13 @@ class Tracker:
             top = _top_saved_tensors_hooks()
             if hooks is None or top is None or top[0] is not hooks.pack_hook:
                 return own(frame, *args)
-            if not t._chained:  # else the hooks chained to (save_on_cpu) decide, as without memprof
-                for a in args:
-                    if isinstance(a, torch.Tensor) and t._on_device(a):
-                        t._on_saved(a)
+            if t._chained:
+                # The hooks chained to (save_on_cpu, the script's own) save the inputs as without
+                # memprof, new objects and all; the tracker's pack counts what they keep.
+                return own(frame, *args)
+            for a in args:
+                if isinstance(a, torch.Tensor) and t._on_device(a):
+                    t._on_saved(a)
             torch._C._autograd._pop_saved_tensors_default_hooks()
             try:
                 return own(frame, *args)

@@ -1,5 +1,6 @@
 """memprof.track on the CPU: exact bytes from shapes, hooks gone afterwards."""
 
+import contextlib
 import gc
 import weakref
 
@@ -658,10 +659,10 @@ def test_chains_to_user_saved_tensor_hooks():
 
     def pack(t):
         calls.append(t.shape)
-        return ("kept elsewhere", t.clone())
+        return ("kept elsewhere", t.to("meta"))
 
     def unpack(p):
-        return p[1]
+        return torch.zeros(p[1].shape, dtype=p[1].dtype)
 
     with memprof.track(model) as prof:
         for _ in range(2):
@@ -672,6 +673,74 @@ def test_chains_to_user_saved_tensor_hooks():
             opt.zero_grad()
     assert len(calls) >= 6
     assert prof.report().modules[A].sum() == 0
+
+
+def _int8(t):
+    """A compressing pack hook (ActNN's habit): int8 values and their scale, parameters as they are."""
+    if isinstance(t, nn.Parameter):
+        return t
+    scale = t.abs().amax() / 127
+    return (t / scale).round().to(torch.int8), scale, t.dtype
+
+
+def _from_int8(p):
+    return p if isinstance(p, torch.Tensor) else p[0].to(p[2]) * p[1]
+
+
+def test_what_a_compressing_hook_keeps_is_the_activation():
+    """A script's own hooks that compress what autograd saves (ActNN's habit: int8 values and
+    a scale, in a tuple) keep those on the device: they are the activations. Here each 512 x 512
+    fp32 tensor saved is kept as 256 KiB of int8 and a 4-byte scale: the first layer's input,
+    the ReLU's output, and the second layer's input (the same tensor, packed again) and its
+    weight's transpose (a view, not the Parameter, which the hook keeps as it is)."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(512, 512)
+    with memprof.track(model) as prof:
+        for _ in range(2):
+            with torch.autograd.graph.saved_tensors_hooks(_int8, _from_int8):
+                loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    saved = prof.report().modules["activations_saved_over_step"]
+    int8 = 256 * KiB + 4
+    assert saved[["Sequential.0", "Sequential.1", "Sequential.2"]].tolist() == [int8, int8, 2 * int8]
+
+
+@pytest.mark.parametrize("hooks", [None, "int8"])
+def test_checkpointed_inputs_under_the_scripts_hooks(hooks):
+    """A non-reentrant checkpoint saves its block's input; under the script's own
+    saved-tensors hooks that input is saved through them, and what they keep is counted: at
+    the forward's end, 256 x 512 fp32 (512 KiB) for each block after the first, or 128 KiB of
+    int8 and a scale for each of the three."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            return x
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(256, 512)
+    around = torch.autograd.graph.saved_tensors_hooks(_int8, _from_int8) if hooks else contextlib.nullcontext()
+    with memprof.track(model) as prof:
+        for _ in range(2):
+            with around:
+                loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    timeline = prof.report().timeline
+    forward_end = timeline[(timeline["step"] == 1) & (timeline["phase"] == "forward Net")].iloc[-1]
+    # Without hooks the first block's input is the batch itself (inputs, not activations).
+    assert forward_end["activations"] == (3 * (128 * KiB + 4) if hooks else 2 * 512 * KiB)
 
 
 def test_chains_hooks_the_model_pushes_inside_its_forward():
