@@ -53,7 +53,7 @@ from .aten_args import leaves, tensors
 from .advisor import (Advice, PlanFactory, _adjusted, _name, _progress, _spread, _step_view, _with_expandable,
                       default_plans, fragmented, parse_budget, plan_table, rank)
 from .caching import expandable_segments_configured
-from .hooks import Shared
+from .hooks import Shared, transformed
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import ScriptError, observe_script, raised
@@ -448,8 +448,9 @@ class _MicroBatchCut(TorchFunctionMode):
                 if self._samples(a):  # the items' own tensors are not batches (a target with 8 boxes)
                     self.cuts += 1
                     return a[: len(a) // self.k]
-                return tree_map(lambda t: t if isinstance(t, torch.Tensor) and t.untyped_storage() in self._cut_storages
-                                else cut(t, device_only=False), a)
+                # (inside torch.func's transforms the arguments are wrappers, without storages)
+                return tree_map(lambda t: t if isinstance(t, torch.Tensor) and not transformed()
+                                and t.untyped_storage() in self._cut_storages else cut(t, device_only=False), a)
 
             args, kwargs = tuple(map(part, args)), {name: part(a) for name, a in kwargs.items()}
             self._in_model += 1
@@ -545,6 +546,9 @@ class ScriptFacts:
     #: Whether the caching allocator runs with expandable segments (PYTORCH_CUDA_ALLOC_CONF, often set
     #: in the script's own first lines).
     expandable_segments: bool = False
+    #: The torch.func transforms the model's forward runs inside ("vmap, grad": functorch's MAML,
+    #: per-sample gradients), outermost first; "" where it runs outside any.
+    transformed: str = ""
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, **facts: Any) -> "ScriptFacts":
@@ -612,8 +616,18 @@ def _implementation(optimizer: torch.optim.Optimizer) -> str:
     """The optimizer's implementation as its defaults choose it. An optimizer without a foreach
     option (SparseAdam, LBFGS, Hugging Face's Adafactor) loops."""
     d = optimizer.defaults
+    if "foreach" in d and d["foreach"] is None and type(optimizer).__name__ == "Adafactor":
+        return "default: for-loop"  # torch.optim.Adafactor takes its foreach path only when asked
     return "fused" if d.get("fused") else "foreach" if d.get("foreach") else (
         "for-loop" if d.get("foreach") is False or "foreach" not in d else "default: foreach on CUDA")
+
+
+def _transforms() -> str:
+    """The torch.func transforms running now, outermost first: "vmap, grad"."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    names = [str(i.key()).rpartition(".")[2].lower() for i in retrieve_all_functorch_interpreters()]
+    return ", ".join(dict.fromkeys(names)) or "transforms"
 
 
 def _expandable_segments() -> bool:
@@ -749,19 +763,26 @@ class _Watch:
         self._entry = self._entry or weakref.ref(module)
         self.forwards += 1
         self._forward_since = True
-        carried = [t for t in torch.utils._pytree.tree_leaves((args, kwargs or {}))
-                   if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
-                   and t.untyped_storage() in self._outputs]
-        self.facts.carried_state = max(self.facts.carried_state, len(carried))
+        if transformed():
+            # Inside torch.func's transforms the arguments are wrappers (TensorWrapper,
+            # BatchedTensor) without storages, and no state comes back through them.
+            self.facts.transformed = self.facts.transformed or _transforms()
+        else:
+            carried = [t for t in torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                       if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+                       and t.untyped_storage() in self._outputs]
+            self.facts.carried_state = max(self.facts.carried_state, len(carried))
         if self.forwards == 1:
             self._autocast()
             self.facts.batch = tensor_shapes(_arguments(module, args, kwargs))
 
     def _on_entry_end(self, module, args, output) -> None:
         if self._handles and self._open and self._open.pop():
-            # What the model returns, to tell the state a script passes back to its next forward.
-            self._outputs = weakref.WeakSet(t.untyped_storage() for t in torch.utils._pytree.tree_leaves(output)
-                                            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter))
+            # What the model returns, to tell the state a script passes back to its next forward
+            # (nothing inside torch.func's transforms: wrappers, without storages).
+            self._outputs = weakref.WeakSet() if transformed() else weakref.WeakSet(
+                t.untyped_storage() for t in torch.utils._pytree.tree_leaves(output)
+                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter))
 
     def _on_module(self, name: str, module, args) -> None:
         if torch._C._current_graph_task_id() == -1:
@@ -899,6 +920,16 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
             out[name] = (f"the {who} shards the model by tensor parallelism (DTensor parameters): memprof's "
                          "sharding, state offload and activation offload plans are for plain tensors; shard the "
                          "state over a data-parallel mesh dimension instead (fully_shard with a 2-D mesh)")
+            continue
+        if "grad" in facts.transformed and any(isinstance(s, (Checkpointing, ActivationOffload)) for s in strategies):
+            out[name] = (f"the {who} runs the model inside torch.func's {facts.transformed}, where PyTorch refuses "
+                         "saved-tensors hooks (torch.utils.checkpoint, save_on_cpu): 'torch.func.{grad, vjp, jacrev, "
+                         "hessian} don't yet support saved tensor hooks'")
+            continue
+        if facts.transformed and any(isinstance(s, Accumulation) for s in strategies):
+            out[name] = (f"the {who} runs the model inside torch.func's {facts.transformed}: the batch to split is "
+                         "what vmap maps over (the tasks, the samples), not the model's arguments; split it in the "
+                         "script (a backward per part, one optimizer step) to accumulate")
             continue
         if facts.carried_state and any(isinstance(s, Accumulation) for s in strategies):
             out[name] = (f"the {who} passes {facts.carried_state} of the model's outputs back to its next forward (a "

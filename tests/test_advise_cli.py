@@ -46,7 +46,7 @@ def check_schema(data: dict) -> None:
     assert data["script_does"] is None or set(data["script_does"]) == {
         "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch",
         "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing", "carried_state", "idle_blocks",
-        "recomputed_by", "expandable_segments"}
+        "recomputed_by", "expandable_segments", "transformed"}
     assert isinstance(data["cache_excess_bytes"], int) and data["cache_excess_bytes"] >= 0
     assert isinstance(data["evaluation_peak_allocated_bytes"], int) and data["evaluation_peak_allocated_bytes"] >= 0
     assert isinstance(data["varying_batch_shapes"], list)
@@ -1741,8 +1741,12 @@ def test_an_optimizer_without_a_foreach_option_loops():
     emb = nn.Embedding(16, 4, sparse=True)
     facts = [ScriptFacts.of(emb, opt) for opt in (torch.optim.SparseAdam(list(emb.parameters())),
                                                   torch.optim.AdamW(emb.parameters()),
-                                                  torch.optim.AdamW(emb.parameters(), foreach=False))]
-    assert [f.implementation for f in facts] == ["for-loop", "default: foreach on CUDA", "for-loop"]
+                                                  torch.optim.AdamW(emb.parameters(), foreach=False),
+                                                  torch.optim.Adafactor(emb.parameters()),
+                                                  torch.optim.Adafactor(emb.parameters(), foreach=True))]
+    # torch.optim.Adafactor takes its foreach path only when asked (adafactor(): `if foreach:`)
+    assert [f.implementation for f in facts] == ["for-loop", "default: foreach on CUDA", "for-loop",
+                                                 "default: for-loop", "foreach"]
 
 
 # Lightning Fabric's own loop: fabric.setup wraps the model in a _FabricModule, whose __setattr__
@@ -2012,3 +2016,43 @@ def test_micro_batch_cut_leaves_out_padding_only_other_samples_needed():
         assert wavs.to("meta").shape == (4, 5)
         del wav_lens, lengths
         assert wavs.to("meta").shape == (4, 9)  # no lengths beside it: as the batch is
+
+
+MAML = """
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 5)).cuda()
+opt = torch.optim.Adam(net.parameters())
+
+
+def task_loss(x, y):
+    params = dict(net.named_parameters())
+    loss = lambda p, x, y: F.cross_entropy(functional_call(net, p, (x,)), y)
+    g = grad(loss)(params, x, y)
+    fast = {k: params[k] - 0.1 * g[k] for k in params}
+    return loss(fast, x, y)
+
+
+for step in range(4):
+    x, y = torch.randn(8, 25, 64, device="cuda"), torch.randint(0, 5, (8, 25), device="cuda")
+    opt.zero_grad()
+    vmap(task_loss)(x, y).sum().backward()
+    opt.step()
+"""
+
+
+def test_a_model_run_inside_torch_func_transforms(tmp_path):
+    """functorch's MAML habit: the model runs only inside vmap(grad(...)), on wrappers without
+    storages, which the script door read and stopped at ("Cannot access storage of
+    TensorWrapper"). Accumulation is left out (what to split is what vmap maps over, the
+    tasks), and under grad checkpointing and activation offload too (PyTorch refuses
+    saved-tensors hooks there); the other plans run."""
+    data, _ = advise_source(tmp_path, MAML)
+    check_schema(data)
+    assert data["script_does"]["transformed"] == "vmap, grad"
+    assert data["failed"] == {}
+    skipped = data["skipped"]
+    assert {"accum2", "ckpt", "offload_act", "bf16+ckpt+accum8"} <= set(skipped)
+    assert "saved tensor hooks" in skipped["ckpt"] and "what vmap maps over" in skipped["accum2"]
+    assert {p["plan"] for p in data["plans"]} >= {"baseline", "bf16", "offload_states"}
