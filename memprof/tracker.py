@@ -737,6 +737,8 @@ class Tracker:
         # deepest node below it that backward has run (a full step's), and
         # that depth at the peak's closing sample: the plan's depth.
         self._graph_top: int | None = None
+        # Whether the root's forward ran inside torch.func's transforms in this step (_on_root_pre).
+        self._transformed_forward = False
         self._depth = self._peak_depth = -1
         c = self._counters.read()
         self._last_alloc = c.allocated if c else self._ledger.attributed()
@@ -1138,6 +1140,16 @@ class Tracker:
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
         # A hook removed while PyTorch runs the hooks it gathered for a call (this tracker
         # closed in an earlier one) is still called, without the kwargs it was registered for.
+        if (not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
+                and self._active and module in self._names):
+            # Inside torch.func's transforms (functorch's MAML: vmap(grad(...)) around the model) no
+            # hook of the modules' can watch (see _on_pre), nor saved-tensors hooks (grad refuses
+            # them): the region is one phase, the root's forward, whose graph _hook_loss claims.
+            self._transformed_forward = self._transformed_forward or self._profiled
+            if self._profiled and not self._done and not self._fwd and torch.is_grad_enabled() \
+                    and self._kind is not Phase.FORWARD:
+                self._sample(Phase.FORWARD, self._root_name, ("pre", self._root_name))
+            return
         if not self._active or transformed() or module not in self._names:  # see _on_pre; a copy
             return  # of the root (copy.deepcopy: an EMA), which shares its hook
         self._forwards += 1
@@ -1598,6 +1610,14 @@ class Tracker:
         as it is made. A language model with a large vocabulary peaks there, and the interval's end
         had named the log-probabilities and both gradients temporaries. Where the allocator's counters
         are (CUDA, simulated): on the CPU the peak is the highest sample, and these are no samples of it."""
+        if (self._transformed_forward and self._graph_top is None and not self._done and self._profiled
+                and self._active and not transformed()):
+            # The forward ran where no hook could watch it (inside torch.func's transforms): what its
+            # graph's nodes saved is the root's activations, claimed before the backward frees them.
+            self._transformed_forward = False
+            self._claim_graph(outputs)
+            self._sample(Phase.BACKWARD, "", ("bwd_start", ""))
+            return
         if (self._done or not self._profiled or not self._active or self._graph_top is None
                 or not self._counters.available):
             return
@@ -1605,6 +1625,30 @@ class Tracker:
         todo = [t.grad_fn for t in ([outputs] if isinstance(outputs, torch.Tensor) else outputs)
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         _hook_nodes(todo, self._node_hook, lambda node: node._sequence_nr() > top)  # not the model's, hooked already
+
+    def _claim_graph(self, outputs: Any) -> None:
+        """Every tensor the autograd graph behind ``outputs`` saved (its nodes' ``_saved_*``), on the
+        device, as an activation of the root."""
+        todo = [t.grad_fn for t in ([outputs] if isinstance(outputs, torch.Tensor) else outputs)
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen: set = set()
+        with torch._C.DisableTorchFunction():
+            while todo:
+                node = todo.pop()
+                if node is None or node in seen:
+                    continue
+                seen.add(node)
+                for attr in dir(node):
+                    if not attr.startswith("_saved_"):
+                        continue
+                    try:
+                        value = getattr(node, attr)
+                    except RuntimeError:  # freed already (a backward before, without retain_graph)
+                        continue
+                    for t in value if isinstance(value, (tuple, list)) else (value,):
+                        if isinstance(t, torch.Tensor) and self._on_device(t):
+                            self._ledger.add(_storage(t), Category.ACTIVATIONS, self._root_name)
+                todo.extend(n for n, _ in node.next_functions)
 
     def _on_node_grads(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         if self._done or not self._profiled or not self._active:

@@ -743,6 +743,32 @@ def test_checkpointed_inputs_under_the_scripts_hooks(hooks):
     assert forward_end["activations"] == (3 * (128 * KiB + 4) if hooks else 2 * 512 * KiB)
 
 
+def test_a_forward_inside_torch_func_transforms_is_one_phase_with_its_graph_saved():
+    """The model called only inside vmap (functorch's MAML, per-sample losses): no module hook
+    or saved-tensors hook sees into the transform, so the forward is one phase of the root, and
+    what its graph saved for the backward is the root's activations, claimed from the graph's
+    nodes where backward starts: the 8 x 25 x 64 fp32 batch (51200 bytes), the ReLU's 8 x 25 x 256
+    output (204800) and the second layer's 8 x 25 x 5 output, which square saves (4000)."""
+    from torch.func import functional_call, vmap
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 5))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def task_loss(x):
+        return functional_call(net, dict(net.named_parameters()), (x,)).square().sum()
+
+    with memprof.track(net) as prof:
+        for _ in range(2):
+            vmap(task_loss)(torch.randn(8, 25, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    timeline = prof.report().timeline
+    forward = timeline[(timeline["step"] == 1) & (timeline["phase"] == "forward Sequential")]
+    assert forward["activations"].tolist() == [51200 + 204800 + 4000]
+    assert "backward" in timeline[timeline["step"] == 1]["phase"].tolist()
+
+
 def test_chains_hooks_the_model_pushes_inside_its_forward():
     """Saved-tensors hooks pushed inside the forward (torchtune's NoOpManager, save_on_cpu around
     some layers) replace the tracker's while they are on: what they keep on the device (here the
