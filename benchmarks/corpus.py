@@ -188,6 +188,13 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "grouped-mm-moe": (".", "grouped_mm_moe.py", ["--steps", "10"], ()),
     "custom-op-library": (".", "custom_op_library.py", ["--steps", "10"], ()),
     "threaded-prefetch": (".", "threaded_prefetch.py", ["--steps", "10"], ()),
+    "profiler-schedule": (".", "profiler_schedule.py", ["--steps", "10"], ()),
+    "act-compress-hooks": (".", "act_compress_hooks.py", ["--steps", "10"], ()),
+    "airbench-cifar": (".", "airbench_cifar.py", ["--steps", "10"], ()),
+    "pygcn-sparse": (".", "pygcn_sparse.py", ["--steps", "10"], ()),
+    "pygat-dense": (".", "pygcn_sparse.py", ["--steps", "10", "--model", "gat"], ()),
+    "adafactor-pure-bf16": (".", "adafactor_pure_bf16.py", ["--steps", "10"], ()),
+    "functorch-maml": (".", "functorch_maml.py", ["--steps", "10"], ()),
     "memory-fraction-cap": (".", "memory_fraction_cap.py", ["--steps", "10"], ()),
 }
 
