@@ -245,7 +245,7 @@ class _Block:
     that segment is expandable."""
 
     __slots__ = ("addr", "size", "requested", "small", "allocated", "prev", "next", "segment", "mapped",
-                 "expandable", "stream")
+                 "expandable", "stream", "held")
 
     def __init__(self, addr: int, size: int, small: bool, segment: int, stream: int = 0) -> None:
         self.addr = addr
@@ -259,6 +259,7 @@ class _Block:
         self.mapped = True  # backed by physical pages: False only for an expandable segment's unmapped space
         self.expandable = False
         self.stream = stream  # the stream its segment was made for: its blocks serve that stream only
+        self.held = False  # freed, but not back in its pool until another stream is done with it (hold)
 
     def __repr__(self) -> str:
         state = "allocated" if self.allocated else "free" if self.mapped else "unmapped"
@@ -415,8 +416,18 @@ class CachingAllocatorModel:
             self.peak_requested = self.requested
         return handle
 
+    def hold(self, handle: int) -> None:
+        """``free`` of a block another stream used (``record_stream``): the allocated counters drop now,
+        as c10's ``free`` drops them before ``insert_events``, but the block goes back to its pool only
+        at :meth:`free` of the same handle (``process_events``, once that stream is done with it)."""
+        block = self._handles[handle]
+        if block is not None and not block.held:
+            block.held = True
+            self.allocated -= block.size
+            self.requested -= block.requested
+
     def free(self, handle: int) -> None:
-        """Free an allocation made by :meth:`malloc`."""
+        """Free an allocation made by :meth:`malloc` (or held: :meth:`hold`)."""
         try:
             block = self._handles.pop(handle)
         except KeyError:
@@ -424,8 +435,11 @@ class CachingAllocatorModel:
         if block is None:
             return
         block.allocated = False
-        self.allocated -= block.size  # before merging: decrease_stat(allocated_bytes, block->size)
-        self.requested -= block.requested
+        if block.held:  # counted out at hold()
+            block.held = False
+        else:
+            self.allocated -= block.size  # before merging: decrease_stat(allocated_bytes, block->size)
+            self.requested -= block.requested
         block.requested = 0
         pool = self._free_small if block.small else self._free_large
         blocks = self._blocks
@@ -521,9 +535,10 @@ class CachingAllocatorModel:
                     continue
                 head, seg_blocks, allocated, requested = block, [], 0, 0
                 while block is not None and block.mapped:
+                    state = "active_pending_free" if block.held else "active_allocated" if block.allocated else "inactive"
                     seg_blocks.append({"address": block.addr, "size": block.size, "requested_size": block.requested,
-                                       "state": "active_allocated" if block.allocated else "inactive"})
-                    if block.allocated:
+                                       "state": state})
+                    if block.allocated and not block.held:
                         allocated += block.size
                         requested += block.requested
                     block = block.next
@@ -567,7 +582,7 @@ class CachingAllocatorModel:
                 assert block.size > 0 and block.size % K_MIN_BLOCK_SIZE == 0
                 if block.allocated:
                     assert block.mapped
-                    alloc_total += block.size
+                    alloc_total += 0 if block.held else block.size
                 elif block.mapped:
                     assert prev is None or prev.allocated or not prev.mapped, "two adjacent free blocks"
                     (free_small if block.small else free_large).append(_key(block))
@@ -590,7 +605,7 @@ class CachingAllocatorModel:
         assert self._free_large == sorted(free_large), "large pool out of sync"
         assert self._unmapped_small == sorted(unmapped_small) and self._unmapped_large == sorted(unmapped_large)
         assert len(self._whole_free) == sum(1 for b in self._whole_free.values() if not b.allocated)
-        live = sum(b.size for b in self._handles.values() if b is not None)
+        live = sum(b.size for b in self._handles.values() if b is not None and not b.held)
         assert live == self.allocated
         assert self.allocated <= self.reserved
         assert self.peak_allocated >= self.allocated and self.peak_reserved >= self.reserved

@@ -221,8 +221,8 @@ class SimulatedAllocator(TorchDispatchMode):
         #: :func:`_kernel_kind`) is appended.
         self.trace: list[tuple[int, int, int, bool, bool, bool, int, int]] | None = None
         #: When a list, allocation and time events are appended: ``("m", handle,
-        #: bytes, stream)``, ``("f", handle)``, ``("k", seconds, handles, host seconds)``
-        #: for a kernel (its device time, the handles of the outputs it allocated,
+        #: bytes, stream)``, ``("f", handle)``, ``("h", handle)`` (freed, held for
+        #: another stream), ``("k", seconds, handles, host seconds)`` for a kernel (its device time, the handles of the outputs it allocated,
         #: the host's time to issue it), ``("o", host seconds)`` for an operator
         #: without a kernel, ``("t", seconds, host seconds, synchronize)`` for a
         #: transfer and ``("c", seconds, busy seconds)`` for time charged to both
@@ -380,6 +380,9 @@ class SimulatedAllocator(TorchDispatchMode):
             if kind == "f":
                 self.free(handles.pop(e[1]))
                 continue
+            if kind == "h":
+                self._model_call(self.model.hold, handles[e[1]], event=lambda _, h=handles[e[1]]: ("h", h))
+                continue
             if kind == "c":  # as charge() charges it
                 self.host += e[1]
                 self.device += e[1]
@@ -522,6 +525,7 @@ class SimulatedAllocator(TorchDispatchMode):
         handle = self._handles.pop(key, None)
         if handle in self._stream_uses:  # insert_events: an event on the stream that used it, at the free
             self._stream_uses.discard(handle)
+            self._model_call(self.model.hold, handle, event=lambda _: ("h", handle))
             self._pending.append((self.device, handle))
         elif handle is not None:
             self.free(handle)
@@ -768,6 +772,8 @@ def replay_step(model: CachingAllocatorModel, events: list[tuple]) -> StepCounte
                 handles[e[1]] = model.malloc(e[2], e[3])
         elif kind == "f":
             model.free(handles.pop(e[1]))
+        elif kind == "h":
+            model.hold(handles[e[1]])
         elif not (kind == "k" and e[2] and all(h in kept for h in e[2])):
             host, device = _tick(host, device, e)
             busy += _busy(e)

@@ -440,7 +440,9 @@ def test_record_stream_holds_a_block_until_the_stream_is_done():
         del batch
         with torch.cuda.stream(side):
             second = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")
-        assert torch.cuda.memory_reserved() == (64 + 12 + 12) * MiB
+        # freed, so no longer allocated (c10's free counts it out before insert_events), but held
+        assert (torch.cuda.memory_allocated(), torch.cuda.memory_reserved()) == ((64 + 12) * MiB, (64 + 24) * MiB)
+        assert "active_pending_free" in [b["state"] for s in torch.cuda.memory_snapshot() for b in s["blocks"]]
         del second  # no other stream used it: cached at once
         torch.cuda.synchronize()
         with torch.cuda.stream(side):
