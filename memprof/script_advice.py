@@ -57,7 +57,7 @@ from .hooks import Shared, transformed
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import ScriptError, observe_script, raised
-from .tracker import _wrapped, active_tracker, own_forward
+from .tracker import _storage, _wrapped, active_tracker, own_forward
 from .simulate import _HALF
 from .workload import Workload
 from .units import fmt_bytes
@@ -401,7 +401,7 @@ class _MicroBatchCut(TorchFunctionMode):
 
     def _made(self, part: Any) -> Any:
         if isinstance(part, torch.Tensor):
-            self._cut_storages.add(part.untyped_storage())
+            self._cut_storages.add(_storage(part))
         return part
 
     def _match(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -450,7 +450,7 @@ class _MicroBatchCut(TorchFunctionMode):
                     return a[: len(a) // self.k]
                 # (inside torch.func's transforms the arguments are wrappers, without storages)
                 return tree_map(lambda t: t if isinstance(t, torch.Tensor) and not transformed()
-                                and t.untyped_storage() in self._cut_storages else cut(t, device_only=False), a)
+                                and _storage(t) in self._cut_storages else cut(t, device_only=False), a)
 
             args, kwargs = tuple(map(part, args)), {name: part(a) for name, a in kwargs.items()}
             self._in_model += 1
@@ -521,6 +521,8 @@ class ScriptFacts:
     #: Tensors the model's forward returned that the script passes back to its next forward
     #: (Transformer-XL's memory, a recurrent state): most seen in one call.
     carried_state: int = 0
+    #: An input of the model that is N x N for a batch of N rows (a full-batch GNN's adjacency): its name.
+    coupled_by: str = ""
     #: The optimizer's class and implementation ("fused", "foreach", "for-loop", or "default").
     optimizer: str = ""
     implementation: str = ""
@@ -654,6 +656,18 @@ def _checkpointing_switch(model: nn.Module) -> str:
     return ""
 
 
+def _coupling(named: dict[str, Any]) -> str:
+    """The model's input that couples its batch's rows, if one does: an N x N matrix beside another input of
+    N rows and another shape (a full-batch GNN's adjacency beside its node features), or a sparse N x N one.
+    Its name, else "". (A square batch alone, 64 samples of 64 features, couples nothing.)"""
+    tensors_ = {n: t for n, t in named.items() if isinstance(t, torch.Tensor) and t.dim()}
+    for n, t in tensors_.items():
+        if t.dim() == 2 and t.shape[0] == t.shape[1] > 1 and (t.layout is not torch.strided or any(
+                m != n and u.shape[0] == t.shape[0] and u.shape != t.shape for m, u in tensors_.items())):
+            return n
+    return ""
+
+
 def tensor_shapes(named: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
     """The tensors among ``named`` values: name -> (shape, short dtype). A list of tensors gives
     each as ``name[i]`` (DINO's crops, each a batch of the views of one size), except a list of
@@ -770,18 +784,19 @@ class _Watch:
         else:
             carried = [t for t in torch.utils._pytree.tree_leaves((args, kwargs or {}))
                        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
-                       and t.untyped_storage() in self._outputs]
+                       and _storage(t) in self._outputs]
             self.facts.carried_state = max(self.facts.carried_state, len(carried))
         if self.forwards == 1:
             self._autocast()
             self.facts.batch = tensor_shapes(_arguments(module, args, kwargs))
+            self.facts.coupled_by = _coupling(_arguments(module, args, kwargs))
 
     def _on_entry_end(self, module, args, output) -> None:
         if self._handles and self._open and self._open.pop():
             # What the model returns, to tell the state a script passes back to its next forward
             # (nothing inside torch.func's transforms: wrappers, without storages).
             self._outputs = weakref.WeakSet() if transformed() else weakref.WeakSet(
-                t.untyped_storage() for t in torch.utils._pytree.tree_leaves(output)
+                _storage(t) for t in torch.utils._pytree.tree_leaves(output)
                 if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter))
 
     def _on_module(self, name: str, module, args) -> None:
@@ -936,6 +951,12 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
                          "memory of earlier segments, a recurrent state): micro-batches cut from the batch would cut "
                          "that state too; split along the batch dimension with a state per micro-batch (Transformer-XL's "
                          "batch_chunk)")
+            continue
+        if facts.coupled_by and any(isinstance(s, Accumulation) for s in strategies):
+            n = facts.batch.get(facts.coupled_by, ([0],))[0][0]
+            out[name] = (f"the model's batch is one graph: its input {facts.coupled_by} ({n} x {n}) couples every row with "
+                         "the others (a full-batch GNN's adjacency), so 1/K of its rows is no micro-batch; train on "
+                         "sampled subgraphs instead (neighbour sampling, Cluster-GCN)")
             continue
         if facts.in_backward and (zero or any(isinstance(s, Accumulation) for s in strategies)):
             # torchtune refuses accumulation with optimizer_in_bwd for the same reason.

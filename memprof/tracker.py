@@ -180,6 +180,18 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     return (local if isinstance(local, torch.Tensor) else t).untyped_storage()
 
 
+def _parts(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """Every storage that holds ``t``'s bytes: a sparse tensor's indices as well as its values
+    (a graph's adjacency passed to the model: its indices are four fifths of it)."""
+    if t.layout is torch.sparse_coo:
+        return [t._indices().untyped_storage(), t._values().untyped_storage()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices().untyped_storage(), t.col_indices().untyped_storage(), t.values().untyped_storage()]
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [t.ccol_indices().untyped_storage(), t.row_indices().untyped_storage(), t.values().untyped_storage()]
+    return [_storage(t)]
+
+
 def _top_saved_tensors_hooks():
     """The saved-tensors hooks active now (e.g. ``save_on_cpu``), to chain to."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -1170,7 +1182,8 @@ class Tracker:
             name = self._names.get(module)
             for t in _leaves(kwargs):
                 if self._on_device(t):
-                    self._ledger.add(_storage(t), Category.INPUTS, name)
+                    for s in _parts(t):
+                        self._ledger.add(s, Category.INPUTS, name)
 
     def _on_buffer(self, module: nn.Module, name: str, buffer: Any) -> None:
         owner = self._names.get(module)
@@ -1250,7 +1263,8 @@ class Tracker:
             if not self._recompute:
                 for t in _leaves(args):
                     if self._on_device(t):
-                        self._ledger.add(_storage(t), Category.INPUTS, name)
+                        for s in _parts(t):
+                            self._ledger.add(s, Category.INPUTS, name)
                 self._saved_seen.clear()
             # Also while recomputing: what the recomputation keeps for the
             # backward in progress are activations again. A forward before this one that no

@@ -181,6 +181,8 @@ class Values(TorchDispatchMode):
         if not on_meta:
             return func(*args, **kwargs)  # the host's own work: real tensors, real values
         name, dynamic = _op(func)
+        if func is torch.ops.aten._to_copy.default and args[0].layout in _SPARSE_LAYOUTS:
+            return _sparse_to_copy(*args, **kwargs)  # a host sparse tensor moved to the device, or a copy on it
         if any(t.layout not in (torch.strided, torch.jagged) for t in metas):  # sparse tensors: not followed
             sparse = _SPARSE.get(name)
             return sparse(*args, **kwargs) if sparse is not None else func(*args, **kwargs)
@@ -701,6 +703,28 @@ def _sparse_product(self, *args, **kwargs):
     m1, m2 = (self, args[0]) if len(args) == 1 else args[:2]
     dense = m2 if m2.layout is torch.strided else m1
     return dense.new_empty((m1.shape[0], m2.shape[1]))
+
+
+_SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _sparse_to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+                    memory_format=None):
+    """A sparse tensor's copy to the device (pygcn's ``adj.cuda()``) or on it (``adj.to(dtype)``): its
+    parts copied, as CUDA's copy keeps them; PyTorch's kernel for the meta device makes one without any
+    entries (nnz 0), so the adjacency took no memory and its products no time."""
+    device = device if device is not None else self.device
+    dtype = dtype if dtype is not None else self.dtype
+    if layout not in (None, self.layout):
+        raise NotImplementedError(f"a sparse tensor's copy to layout {layout} on the simulated GPU")
+    if self.layout is torch.sparse_coo:
+        return torch.sparse_coo_tensor(self._indices().to(device, non_blocking=non_blocking),
+                                       self._values().to(device, dtype, non_blocking=non_blocking), self.shape,
+                                       is_coalesced=self.is_coalesced(), check_invariants=False)
+    compressed, plain = ((self.crow_indices(), self.col_indices()) if self.layout in (torch.sparse_csr, torch.sparse_bsr)
+                         else (self.ccol_indices(), self.row_indices()))
+    return torch.sparse_compressed_tensor(compressed.to(device), plain.to(device), self.values().to(device, dtype),
+                                          self.shape, layout=self.layout, check_invariants=False)
 
 
 #: Operators on sparse COO tensors that PyTorch's meta kernels lack ("Could not run 'aten::_coalesce'

@@ -46,7 +46,7 @@ def check_schema(data: dict) -> None:
     assert data["script_does"] is None or set(data["script_does"]) == {
         "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch",
         "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing", "carried_state", "idle_blocks",
-        "recomputed_by", "expandable_segments", "transformed"}
+        "recomputed_by", "expandable_segments", "transformed", "coupled_by"}
     assert isinstance(data["cache_excess_bytes"], int) and data["cache_excess_bytes"] >= 0
     assert isinstance(data["evaluation_peak_allocated_bytes"], int) and data["evaluation_peak_allocated_bytes"] >= 0
     assert isinstance(data["varying_batch_shapes"], list)
@@ -2056,3 +2056,43 @@ def test_a_model_run_inside_torch_func_transforms(tmp_path):
     assert {"accum2", "ckpt", "offload_act", "bf16+ckpt+accum8"} <= set(skipped)
     assert "saved tensor hooks" in skipped["ckpt"] and "what vmap maps over" in skipped["accum2"]
     assert {p["plan"] for p in data["plans"]} >= {"baseline", "bf16", "offload_states"}
+
+
+GCN = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+
+class GCN(nn.Module):  # tkipf/pygcn's layers: support = x W, output = adj @ support
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(256, 64) * 0.1), nn.Parameter(torch.randn(64, 7) * 0.1)
+
+    def forward(self, x, adj):
+        h = F.relu(torch.spmm(adj, torch.mm(x, self.w1)))
+        return F.log_softmax(torch.spmm(adj, torch.mm(h, self.w2)), dim=1)
+
+
+n = 2048
+adj = torch.sparse_coo_tensor(torch.randint(0, n, (2, 16384)), torch.rand(16384), (n, n)).cuda()
+x, labels = torch.randn(n, 256).cuda(), torch.randint(0, 7, (n,)).cuda()
+model = GCN().cuda()
+opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+for epoch in range(6):
+    opt.zero_grad()
+    loss = F.nll_loss(model(x, adj)[:1024], labels[:1024])
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_full_batch_graph_network_with_a_sparse_adjacency(tmp_path):
+    """pygcn's habit: the adjacency, a sparse tensor, passed to the model. The script door read
+    its storage and stopped ("Cannot access storage of SparseTensorImpl"); the graph is one batch
+    whose rows the adjacency couples, so accumulation is left out, with the reason."""
+    data, _ = advise_source(tmp_path, GCN)
+    check_schema(data)
+    assert data["script_does"]["coupled_by"] == "adj"
+    # two layers, no repeated blocks: checkpointing has nothing to recompute by
+    assert set(data["failed"]) == {"ckpt", "bf16+ckpt"} and "no repeated blocks" in data["failed"]["ckpt"]
+    assert "one graph" in data["skipped"]["accum2"] and "bf16+accum8" in data["skipped"]
+    assert {"baseline", "bf16", "offload_states"} <= {p["plan"] for p in data["plans"]}

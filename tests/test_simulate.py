@@ -453,6 +453,23 @@ def test_record_stream_holds_a_block_until_the_stream_is_done():
         del a, third
 
 
+def test_a_sparse_tensor_moved_to_the_gpu_keeps_its_entries():
+    """pygcn builds its adjacency on the host and moves it with ``.cuda()``: PyTorch's meta
+    kernel for the copy made one without entries (nnz 0, no memory). Its indices (2 x 5000
+    int64: 80000 bytes, a 80384-byte block) and values (5000 fp32: 20480) are on the device."""
+    from memprof.simulate import SimulatedAllocator
+
+    adj = torch.sparse_coo_tensor(torch.randint(0, 1000, (2, 5000)), torch.rand(5000), (1000, 1000),
+                                  check_invariants=False)
+    with VirtualCUDA(H100, allocator=SimulatedAllocator(H100)):
+        on_gpu = adj.cuda()
+        assert (on_gpu.is_cuda, on_gpu._nnz(), on_gpu.is_coalesced()) == (True, 5000, False)
+        assert torch.cuda.memory_allocated() == 80384 + 20480
+        out = torch.spmm(on_gpu, torch.randn(1000, 64, device="cuda"))
+        assert out.shape == (1000, 64)
+        del on_gpu, out
+
+
 def test_moving_a_host_tensor_in_place():
     """``param.data = param.to("cuda")`` (FSDP moves its parameters so) keeps the object, as a
     GPU's ``set_data`` does; an index alone names the accelerator's device."""

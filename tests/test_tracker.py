@@ -769,6 +769,33 @@ def test_a_forward_inside_torch_func_transforms_is_one_phase_with_its_graph_save
     assert "backward" in timeline[timeline["step"] == 1]["phase"].tolist()
 
 
+def test_a_sparse_input_counts_its_indices_too():
+    """pygcn's habit: the graph's adjacency is a sparse COO tensor passed to the model. Its
+    indices (2 x 5000 int64, 80000 bytes) are four fifths of it, beside its 5000 fp32 values:
+    both are inputs, with the 1000 x 64 fp32 node features (256000 bytes)."""
+
+    class GCN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(64, 16, bias=False)
+
+        def forward(self, x, adj):
+            return torch.spmm(adj, self.w(x))
+
+    torch.manual_seed(0)
+    adj = torch.sparse_coo_tensor(torch.randint(0, 1000, (2, 5000)), torch.rand(5000), (1000, 1000),
+                                  check_invariants=False)
+    x = torch.randn(1000, 64)
+    model = GCN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with memprof.track(model) as prof:
+        for _ in range(2):
+            model(x, adj).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert prof.report().modules.loc["GCN", "inputs"] == 256000 + 80000 + 20000
+
+
 def test_chains_hooks_the_model_pushes_inside_its_forward():
     """Saved-tensors hooks pushed inside the forward (torchtune's NoOpManager, save_on_cpu around
     some layers) replace the tracker's while they are on: what they keep on the device (here the
