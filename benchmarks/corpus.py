@@ -3,6 +3,7 @@
     python3 benchmarks/corpus.py measure --out DIR            # on a GPU: memprof track each script for real
     python3 benchmarks/corpus.py simulate --out DIR           # anywhere: memprof track --target h200
     python3 benchmarks/corpus.py compare MEASURED SIMULATED --out benchmarks/results
+    python3 benchmarks/corpus.py advise --out DIR             # anywhere: memprof advise --target h200 each script
 
 The scripts in ``benchmarks/scripts/`` are written the way public training code
 is (nanoGPT, Hugging Face Trainer, Lightning, torchvision's reference trainer,
@@ -204,16 +205,18 @@ def installed(name: str) -> bool:
     return all(importlib.util.find_spec(p) is not None for p in CORPUS[name][3])
 
 
-def command(name: str, out: Path, target: str | None, steps: int) -> tuple[list[str], Path]:
+def command(name: str, out: Path, target: str | None, steps: int, budget: str | None = None) -> tuple[list[str], Path]:
+    """``memprof track`` of entry ``name`` (``memprof advise`` for ``budget``), and the folder it runs in."""
     folder, script, args, _ = CORPUS[name]
-    cmd = [sys.executable, "-m", "memprof.cli", "track", script, "--steps", str(steps), "--json", str(out / f"{name}.json")]
+    verb = ["advise", script, "--budget", budget] if budget else ["track", script, "--steps", str(steps)]
+    cmd = [sys.executable, "-m", "memprof.cli", *verb, "--json", str(out / f"{name}.json")]
     if target:
         cmd += ["--target", target]
     return [*cmd, "--", *args], SCRIPTS / folder
 
 
-def run_one(name: str, out: Path, target: str | None, steps: int, env: dict) -> dict:
-    cmd, cwd = command(name, out, target, steps)
+def run_one(name: str, out: Path, target: str | None, steps: int, env: dict, budget: str | None = None) -> dict:
+    cmd, cwd = command(name, out, target, steps, budget)
     start = time.monotonic()
     with open(out / f"{name}.log", "w") as log:
         rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -229,10 +232,17 @@ def run_all(args: argparse.Namespace, target: str | None) -> None:
     names = [n for n in CORPUS if not args.only or n in args.only]
     if args.skip_missing:
         names = [n for n in names if installed(n)]
+    budget = getattr(args, "budget", None)
     with ThreadPoolExecutor(args.jobs) as pool:
-        runs = list(pool.map(lambda n: run_one(n, out, target, args.steps, env), names))
+        runs = list(pool.map(lambda n: run_one(n, out, target, args.steps, env, budget), names))
     for r in runs:
-        print(f"{r['name']:32s} rc={r['rc']} {r['seconds']:6.1f} s")
+        if budget:  # what advise said: plans ranked, left out, failed (why)
+            advice = json.loads((out / f"{r['name']}.json").read_text()) if r["rc"] == 0 else {}
+            r.update(best=advice.get("best"), plans=len(advice.get("plans", [])), skipped=len(advice.get("skipped", {})),
+                     failed=advice.get("failed", {}))
+            if r["rc"]:
+                r["error"] = (out / f"{r['name']}.log").read_text().strip().splitlines()[-1:]
+        print(f"{r['name']:32s} rc={r['rc']} {r['seconds']:6.1f} s" + (f" failed {len(r['failed'])}" if budget else ""))
     (out / "runs.json").write_text(json.dumps(runs, indent=1))
 
 
@@ -320,7 +330,7 @@ def recheck(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for cmd in ("measure", "simulate"):
+    for cmd in ("measure", "simulate", "advise"):
         q = sub.add_parser(cmd)
         q.add_argument("--out", required=True)
         q.add_argument("--steps", type=int, default=3)
@@ -329,8 +339,10 @@ def main() -> None:
         q.add_argument("--skip-missing", "--skip-vision", dest="skip_missing", action="store_true",
                        help="leave out the scripts whose packages (torchvision, timm, triton) are not installed here")
         q.add_argument("--no-gpu", action="store_true", help="hide the GPUs (CUDA_VISIBLE_DEVICES=)")
-        if cmd == "simulate":
+        if cmd in ("simulate", "advise"):
             q.add_argument("--target", default="h200")
+        if cmd == "advise":
+            q.add_argument("--budget", default="24GiB")
     q = sub.add_parser("compare")
     q.add_argument("measured")
     q.add_argument("simulated")
@@ -346,7 +358,7 @@ def main() -> None:
     elif args.cmd == "recheck":
         recheck(args)
     else:
-        run_all(args, args.target if args.cmd == "simulate" else None)
+        run_all(args, args.target if args.cmd in ("simulate", "advise") else None)
 
 
 if __name__ == "__main__":
