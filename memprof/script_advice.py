@@ -658,12 +658,17 @@ def _checkpointing_switch(model: nn.Module) -> str:
 
 def _coupling(named: dict[str, Any]) -> str:
     """The model's input that couples its batch's rows, if one does: an N x N matrix beside another input of
-    N rows and another shape (a full-batch GNN's adjacency beside its node features), or a sparse N x N one.
+    N rows and another shape (a full-batch GNN's adjacency beside its node features), a sparse N x N one, or
+    a 2 x E integer edge list beside the nodes' floating-point features (PyTorch Geometric's ``edge_index``).
     Its name, else "". (A square batch alone, 64 samples of 64 features, couples nothing.)"""
     tensors_ = {n: t for n, t in named.items() if isinstance(t, torch.Tensor) and t.dim()}
     for n, t in tensors_.items():
+        others = [u for m, u in tensors_.items() if m != n]
         if t.dim() == 2 and t.shape[0] == t.shape[1] > 1 and (t.layout is not torch.strided or any(
-                m != n and u.shape[0] == t.shape[0] and u.shape != t.shape for m, u in tensors_.items())):
+                u.shape[0] == t.shape[0] and u.shape != t.shape for u in others)):
+            return n
+        if (t.dim() == 2 and t.shape[0] == 2 and t.layout is torch.strided and not t.is_floating_point()
+                and any(u.is_floating_point() and u.shape[0] > 2 for u in others)):
             return n
     return ""
 
@@ -953,10 +958,10 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
                          "batch_chunk)")
             continue
         if facts.coupled_by and any(isinstance(s, Accumulation) for s in strategies):
-            n = facts.batch.get(facts.coupled_by, ([0],))[0][0]
-            out[name] = (f"the model's batch is one graph: its input {facts.coupled_by} ({n} x {n}) couples every row with "
-                         "the others (a full-batch GNN's adjacency), so 1/K of its rows is no micro-batch; train on "
-                         "sampled subgraphs instead (neighbour sampling, Cluster-GCN)")
+            shape = " x ".join(map(str, facts.batch.get(facts.coupled_by, ([],))[0]))
+            out[name] = (f"the model's batch is one graph: its input {facts.coupled_by} ({shape}) couples its rows "
+                         "with each other (a full-batch GNN's adjacency or edges), so 1/K of its rows is no "
+                         "micro-batch; train on sampled subgraphs instead (neighbour sampling, Cluster-GCN)")
             continue
         if facts.in_backward and (zero or any(isinstance(s, Accumulation) for s in strategies)):
             # torchtune refuses accumulation with optimizer_in_bwd for the same reason.

@@ -2096,3 +2096,19 @@ def test_a_full_batch_graph_network_with_a_sparse_adjacency(tmp_path):
     assert set(data["failed"]) == {"ckpt", "bf16+ckpt"} and "no repeated blocks" in data["failed"]["ckpt"]
     assert "one graph" in data["skipped"]["accum2"] and "bf16+accum8" in data["skipped"]
     assert {"baseline", "bf16", "offload_states"} <= {p["plan"] for p in data["plans"]}
+
+
+def test_inputs_that_couple_the_batchs_rows():
+    """A full-batch graph network's batch is one graph: an N x N adjacency (sparse, or dense beside
+    the nodes' features) or PyTorch Geometric's 2 x E edge list beside the features couples its
+    rows; a square batch, or token ids alone, do not."""
+    from memprof.script_advice import _coupling
+
+    x = torch.randn(100, 16)
+    adjacency = torch.sparse_coo_tensor(torch.randint(0, 100, (2, 300)), torch.rand(300), (100, 100))
+    assert _coupling({"x": x, "adj": adjacency}) == "adj"
+    assert _coupling({"x": x, "adj": torch.rand(100, 100)}) == "adj"
+    assert _coupling({"x": x, "edge_index": torch.randint(0, 100, (2, 500))}) == "edge_index"
+    assert _coupling({"x": torch.randn(64, 64)}) == ""
+    assert _coupling({"input_ids": torch.randint(0, 10, (2, 128))}) == ""
+    assert _coupling({"images": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 10, (2, 8))}) == ""
