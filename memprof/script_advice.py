@@ -414,7 +414,9 @@ class _MicroBatchCut(TorchFunctionMode):
         # A whole batch beside another operand of its micro-batch's size: one tensor of a size that is
         # both (16 rows where the script accumulates 2 of 16 itself) is not met with anything, so the
         # collator's labels.masked_fill(mask.ne(1), -100) on the host stays whole.
-        wholes = {n for i, n in enumerate(firsts) if n in self.sizes
+        # So is a whole batch's flattened tokens (targets made flat, batch x sequence rows, against the
+        # micro-batch's logits flattened to (-1, vocabulary): a loss between the two raises otherwise).
+        wholes = {n for i, n in enumerate(firsts) if (n in self.sizes or self._flattened(n))
                   and any(m == n // self.k for j, m in enumerate(firsts) if j != i)}
         if not wholes:
             return args, kwargs
@@ -426,6 +428,11 @@ class _MicroBatchCut(TorchFunctionMode):
             return self._cut(a, device_only=False, sizes=wholes) if not isinstance(a, nn.Parameter) else a
 
         return tuple(cut(a) for a in args), {k: cut(a) for k, a in kwargs.items()}
+
+    def _flattened(self, n: int) -> bool:
+        """Whether ``n`` rows are a whole batch's samples times the positions of each (a multiple of
+        the batch, and the micro-batch's share a multiple of the micro-batch)."""
+        return bool(self.batch) and n % self.batch == 0 and n > self.batch and n % self.k == 0
 
     def _samples(self, a: Any) -> bool:
         """Whether ``a`` is a list of one item per sample of the whole batch: DETR's and torchvision

@@ -2112,3 +2112,28 @@ def test_inputs_that_couple_the_batchs_rows():
     assert _coupling({"x": torch.randn(64, 64)}) == ""
     assert _coupling({"input_ids": torch.randint(0, 10, (2, 128))}) == ""
     assert _coupling({"images": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 10, (2, 8))}) == ""
+
+
+FLAT_TARGETS = """
+import torch, torch.nn as nn
+
+net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 100)).cuda()
+opt = torch.optim.Adam(net.parameters())
+for it in range(5):
+    x = torch.randn(64, 128, 256).cuda()
+    y = torch.randint(0, 100, (64 * 128,)).cuda()  # the targets made flat: batch x sequence rows
+    loss = nn.CrossEntropyLoss()(net(x).view(-1, 100), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_targets_made_flat_are_cut_with_the_batch(tmp_path):
+    """Targets made flat (64 x 128 token labels as 8192 rows) meet the micro-batch's logits
+    flattened to 4096 rows (accum2): the loss cuts them to the micro-batch's share, where every
+    accumulation plan failed ("Expected input batch_size (4096) to match target batch_size (8192)")."""
+    data, _ = advise_source(tmp_path, FLAT_TARGETS)
+    assert all("ckpt" in name for name in data["failed"]), data["failed"]  # no repeated blocks, only that
+    plans = {p["plan"]: p for p in data["plans"]}
+    assert plans["accum2"]["peak_allocated"] < plans["baseline"]["peak_allocated"]
