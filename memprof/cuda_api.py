@@ -1,14 +1,15 @@
 """``torch.cuda`` and ``torch.accelerator`` as a simulated GPU answers them.
 
 :class:`CudaRuntime` gives the functions and classes a script calls: device
-properties from the GPU catalogue, memory from the simulated allocator, one
-stream that never captures a graph, events that time with the simulated
-clock, seeds and synchronisation that do nothing. They replace PyTorch's own
+properties from the GPU catalogue, memory from the simulated allocator,
+streams (a current one per thread, whose blocks the allocator keeps apart)
+that never capture a graph, events that time with the simulated clock, seeds
+and synchronisation that do nothing. They replace PyTorch's own
 for the duration of ``memprof.virtual_cuda.VirtualCUDA``, on a CPU-only build
 of torch (which has no CUDA runtime) and on a CUDA build with no visible GPU
 (whose runtime would fail) alike. :data:`TENSOR_API` holds what the runtime
 does for tensors: page-locked host memory is host memory (the device pays
-nothing for it) and one stream has nothing to record.
+nothing for it); ``record_stream`` is the allocator's (:meth:`CudaRuntime.tensor_api`).
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ class CudaRuntime:
             model.limit = int(fraction * self.gpu.memory_bytes)
 
     def tensor_api(self) -> dict[str, Callable]:
-        """``torch.Tensor``'s CUDA methods (:data:`TENSOR_API`), ``record_stream`` told to the allocator."""
+        """``torch.Tensor``'s CUDA methods: :data:`TENSOR_API`'s, and ``record_stream``, told to the
+        allocator (where there is none, or it keeps no streams, it does nothing)."""
         allocator = self.allocator
 
         def record_stream(t: torch.Tensor, stream: Any) -> None:
@@ -467,11 +469,6 @@ def _is_pinned(self: torch.Tensor, device: Any = None) -> bool:
     return self in _pinned
 
 
-def _record_stream(self: torch.Tensor, stream: Any) -> None:
-    # Tensor.record_stream, where no simulated allocator counts the device's memory.
-    return None
-
-
 class _LegacyTypeMeta(type):
     def __instancecheck__(cls, obj: Any) -> bool:
         return isinstance(obj, torch.Tensor) and obj.is_cuda and obj.dtype == cls.dtype
@@ -533,4 +530,4 @@ def _type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **k
 
 #: Tensor methods as the simulated runtime has them, set on the class: modes are
 #: per thread, and a DataLoader pins in a thread of its own.
-TENSOR_API = {"pin_memory": _pin_memory, "is_pinned": _is_pinned, "record_stream": _record_stream, "type": _type}
+TENSOR_API = {"pin_memory": _pin_memory, "is_pinned": _is_pinned, "type": _type}  # and record_stream: tensor_api

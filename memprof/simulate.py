@@ -222,8 +222,9 @@ class SimulatedAllocator(TorchDispatchMode):
         self.trace: list[tuple[int, int, int, bool, bool, bool, int, int]] | None = None
         #: When a list, allocation and time events are appended: ``("m", handle,
         #: bytes, stream)``, ``("f", handle)``, ``("h", handle)`` (freed, held for
-        #: another stream), ``("k", seconds, handles, host seconds)`` for a kernel (its device time, the handles of the outputs it allocated,
-        #: the host's time to issue it), ``("o", host seconds)`` for an operator
+        #: another stream), ``("k", seconds, handles, host seconds)`` for a kernel
+        #: (its device time, the handles of the outputs it allocated, the host's
+        #: time to issue it), ``("o", host seconds)`` for an operator
         #: without a kernel, ``("t", seconds, host seconds, synchronize)`` for a
         #: transfer and ``("c", seconds, busy seconds)`` for time charged to both
         #: clocks (:meth:`charge`; see :func:`replay_step`).
@@ -433,14 +434,17 @@ class SimulatedAllocator(TorchDispatchMode):
             stream = current_stream_id()
         if self._pending:
             self._process_events()
-        try:
+        def malloc() -> int:
             return self._model_call(self.model.malloc, nbytes, stream, event=lambda h: ("m", h, nbytes, stream))
+
+        try:
+            return malloc()
         except SimulatedOOM:
             if not self._pending:
                 raise
             # release_cached_blocks waits for every stream first (synchronize_and_free_events)
             self._process_events(everything=True)
-            return self._model_call(self.model.malloc, nbytes, stream, event=lambda h: ("m", h, nbytes, stream))
+            return malloc()
 
     def record_stream(self, t: torch.Tensor, stream: int) -> None:
         """``t.record_stream(stream)``: where ``stream`` is not the one its block was allocated on, the
