@@ -238,8 +238,8 @@ def run_all(args: argparse.Namespace, target: str | None) -> None:
     for r in runs:
         if budget:  # what advise said: plans ranked, left out, failed (why)
             advice = json.loads((out / f"{r['name']}.json").read_text()) if r["rc"] == 0 else {}
-            r.update(best=advice.get("best"), plans=len(advice.get("plans", [])), skipped=len(advice.get("skipped", {})),
-                     failed=advice.get("failed", {}))
+            r.update(best=advice.get("best"), plans=len(advice.get("plans", [])),
+                     skipped=len(advice.get("skipped", {})), failed=advice.get("failed", {}))
             if r["rc"]:
                 r["error"] = (out / f"{r['name']}.log").read_text().strip().splitlines()[-1:]
         print(f"{r['name']:32s} rc={r['rc']} {r['seconds']:6.1f} s" + (f" failed {len(r['failed'])}" if budget else ""))

@@ -65,10 +65,12 @@ the large one. ``memory_reserved`` counts the mapped pages only.
   ``segment.all.current`` counts no expandable segment (``map_block`` does not
   touch it), nor does :attr:`CachingAllocatorModel.num_segments`.
 
-Not modelled here: ``record_stream`` (a block another stream used, held until
-that stream's work is done: :class:`memprof.simulate.SimulatedAllocator`
-holds such frees back, with its clocks), CUDA graph private pools (the
-simulated device gives a capture a stream of its own instead), ``max_split_size_mb``,
+A block freed while another stream uses it (``record_stream``) is held
+(:meth:`CachingAllocatorModel.hold`: out of the allocated counters, not yet
+back in its pool) until freed; when that stream is done is for the caller to
+say (:class:`memprof.simulate.SimulatedAllocator`, with its clocks). Not
+modelled: CUDA graph private pools (the simulated device gives a capture a
+stream of its own instead), ``max_split_size_mb``,
 ``roundup_power2_divisions``, garbage collection, and the real device's own
 limits (CUDA context, other processes, fragmentation of device memory):
 ``capacity`` is the memory the device can give (``cudaMalloc`` failing; with
@@ -535,7 +537,8 @@ class CachingAllocatorModel:
                     continue
                 head, seg_blocks, allocated, requested = block, [], 0, 0
                 while block is not None and block.mapped:
-                    state = "active_pending_free" if block.held else "active_allocated" if block.allocated else "inactive"
+                    state = ("active_pending_free" if block.held else "active_allocated" if block.allocated
+                             else "inactive")
                     seg_blocks.append({"address": block.addr, "size": block.size, "requested_size": block.requested,
                                        "state": state})
                     if block.allocated and not block.held:
