@@ -1051,15 +1051,18 @@ def test_accumulation_leaves_evaluation_whole(tmp_path):
 
 
 def test_accumulation_that_cannot_follow_says_so(tmp_path):
-    # The loss compares flattened tensors: the cut output's 16 x 4 values against
-    # 32 x 4 one-hot targets, none of them a batch's or a micro-batch's size.
+    # The loss compares flattened tensors: the cut output's 16 x 4 values against 32 x 4
+    # one-hot targets, a whole batch's samples times their values, which the loss cuts with
+    # them; less four values each, neither is a batch's multiple: the step cannot follow.
+    targets = ("halves = [torch.full((16,), i, dtype=torch.long, device='cuda') for i in (0, 1)]",
+               "y = torch.nn.functional.one_hot(torch.cat(halves), 4).float()")
+    data = _advise_with_targets(tmp_path, *targets, loss="torch.nn.functional.mse_loss(model(x).flatten(), y.flatten())")
+    assert {"accum2", "accum4", "accum8"} <= {p["plan"] for p in data["plans"]}
     data = _advise_with_targets(
-        tmp_path, "halves = [torch.full((16,), i, dtype=torch.long, device='cuda') for i in (0, 1)]",
-        "y = torch.nn.functional.one_hot(torch.cat(halves), 4).float()",
-        loss="torch.nn.functional.mse_loss(model(x).flatten(), y.flatten())")
+        tmp_path, *targets, loss="torch.nn.functional.mse_loss(model(x).flatten()[:-4], y.flatten()[:-4])")
     assert {"accum2", "accum4", "accum8"} <= set(data["failed"])
     assert "cutting its tensors where they reach the device" in data["failed"]["accum2"]
-    assert "The size of tensor a (64) must match the size of tensor b (128)" in data["failed"]["accum2"]
+    assert "The size of tensor a (60) must match the size of tensor b (124)" in data["failed"]["accum2"]
 
 
 def test_a_micro_batch_too_small_fails_only_plans_that_small(tmp_path):
