@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Shared", "transformed"]
+__all__ = ["Shared", "transformed", "in_torch_func"]
 
 _interpreters = torch._C._functorch.peek_interpreter_stack
 
@@ -33,6 +33,12 @@ def transformed() -> bool:
     graph's capture."""
     return (torch.compiler.is_compiling() or _interpreters() is not None
             or torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
+def in_torch_func() -> bool:
+    """Whether the caller runs inside a torch.func transform (``vmap``, ``grad``), not in
+    torch.compile's tracing (which traces through this check)."""
+    return not torch.compiler.is_compiling() and _interpreters() is not None
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:

@@ -51,7 +51,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from .allocator import counters_for
 from .categories import ALLOCATED, Category
 from .frames import script_variables
-from .hooks import Shared, transformed
+from .hooks import Shared, in_torch_func, transformed
 from .ledger import Ledger
 from .manual_steps import GradientWatch
 from .report import MODULE_CATEGORIES, MODULE_COLUMNS, STEP_COLUMNS, Breakdown, Phase, Report
@@ -1152,8 +1152,7 @@ class Tracker:
     def _on_root_pre(self, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
         # A hook removed while PyTorch runs the hooks it gathered for a call (this tracker
         # closed in an earlier one) is still called, without the kwargs it was registered for.
-        if (not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
-                and self._active and module in self._names):
+        if in_torch_func() and self._active and module in self._names:
             # Inside torch.func's transforms (functorch's MAML: vmap(grad(...)) around the model) no
             # hook of the modules' can watch (see _on_pre), nor saved-tensors hooks (grad refuses
             # them): the region is one phase, the root's forward, whose graph _hook_loss claims.
