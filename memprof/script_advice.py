@@ -53,7 +53,7 @@ from .aten_args import leaves, tensors
 from .advisor import (Advice, PlanFactory, _adjusted, _name, _progress, _spread, _step_view, _with_expandable,
                       default_plans, fragmented, parse_budget, plan_table, rank)
 from .caching import expandable_segments_configured
-from .hooks import Shared, transformed
+from .hooks import Shared, in_torch_func
 from .devices import GPU, get_gpu
 from .report import Report
 from .runner import ScriptError, observe_script, raised
@@ -456,7 +456,7 @@ class _MicroBatchCut(TorchFunctionMode):
                     self.cuts += 1
                     return a[: len(a) // self.k]
                 # (inside torch.func's transforms the arguments are wrappers, without storages)
-                return tree_map(lambda t: t if isinstance(t, torch.Tensor) and not transformed()
+                return tree_map(lambda t: t if isinstance(t, torch.Tensor) and not in_torch_func()
                                 and _storage(t) in self._cut_storages else cut(t, device_only=False), a)
 
             args, kwargs = tuple(map(part, args)), {name: part(a) for name, a in kwargs.items()}
@@ -528,7 +528,8 @@ class ScriptFacts:
     #: Tensors the model's forward returned that the script passes back to its next forward
     #: (Transformer-XL's memory, a recurrent state): most seen in one call.
     carried_state: int = 0
-    #: An input of the model that is N x N for a batch of N rows (a full-batch GNN's adjacency): its name.
+    #: The model's input that couples the rows of its batch (a full-batch GNN's N x N adjacency, its
+    #: 2 x E edge list): its name, or "".
     coupled_by: str = ""
     #: The optimizer's class and implementation ("fused", "foreach", "for-loop", or "default").
     optimizer: str = ""
@@ -789,7 +790,7 @@ class _Watch:
         self._entry = self._entry or weakref.ref(module)
         self.forwards += 1
         self._forward_since = True
-        if transformed():
+        if in_torch_func():
             # Inside torch.func's transforms the arguments are wrappers (TensorWrapper,
             # BatchedTensor) without storages, and no state comes back through them.
             self.facts.transformed = self.facts.transformed or _transforms()
@@ -807,7 +808,7 @@ class _Watch:
         if self._handles and self._open and self._open.pop():
             # What the model returns, to tell the state a script passes back to its next forward
             # (nothing inside torch.func's transforms: wrappers, without storages).
-            self._outputs = weakref.WeakSet() if transformed() else weakref.WeakSet(
+            self._outputs = weakref.WeakSet() if in_torch_func() else weakref.WeakSet(
                 _storage(t) for t in torch.utils._pytree.tree_leaves(output)
                 if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter))
 
