@@ -302,7 +302,9 @@ class _MicroBatchCut(TorchFunctionMode):
     (data made on the device before the plan began), and so does a loss or
     an equality outside it that meets a whole batch and a micro-batch (the
     cut output against targets a prefetcher copied during the step before:
-    timm's ``PrefetchLoader``, apex's ``data_prefetcher``).
+    timm's ``PrefetchLoader``, apex's ``data_prefetcher``), or a whole batch's
+    rows flattened with their positions and the micro-batch's (token targets
+    made flat against the logits viewed as ``(-1, vocabulary)``).
     Inside the forward nothing else is cut: the model's own tensors of that
     size (positions when the sequence is as long as the batch) are not samples.
     A copy to the device of a half, third or quarter of the batch is cut too:
