@@ -100,6 +100,11 @@ def own_forward(module: nn.Module) -> bool:
 
 def _hook_nodes(todo: list, hook: Callable, keep: Callable[[Any], bool]) -> None:
     """``hook`` on the autograd nodes from ``todo`` down, as far as ``keep(node)`` holds."""
+    _walk_nodes(todo, lambda node: node.register_hook(hook), keep)
+
+
+def _walk_nodes(todo: list, visit: Callable, keep: Callable[[Any], bool]) -> None:
+    """``visit`` each autograd node from ``todo`` down, as far as ``keep(node)`` holds."""
     seen = set(todo)
     while todo:
         node = todo.pop()
@@ -107,7 +112,7 @@ def _hook_nodes(todo: list, hook: Callable, keep: Callable[[Any], bool]) -> None
         # names it), and it has no next functions. By its type's name:
         # hasattr(node, "variable") raises and catches an error at every other node.
         if type(node).__name__ != "AccumulateGrad" and keep(node):
-            node.register_hook(hook)
+            visit(node)
             for n, _ in node.next_functions:
                 if n is not None and n not in seen:
                     seen.add(n)
@@ -1642,26 +1647,22 @@ class Tracker:
     def _claim_graph(self, outputs: Any) -> None:
         """Every tensor the autograd graph behind ``outputs`` saved (its nodes' ``_saved_*``), on the
         device, as an activation of the root."""
+        def claim(node: Any) -> None:
+            for attr in dir(node):
+                if not attr.startswith("_saved_"):
+                    continue
+                try:
+                    value = getattr(node, attr)
+                except RuntimeError:  # freed already (a backward before, without retain_graph)
+                    continue
+                for t in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(t, torch.Tensor) and self._on_device(t):
+                        self._ledger.add(_storage(t), Category.ACTIVATIONS, self._root_name)
+
         todo = [t.grad_fn for t in ([outputs] if isinstance(outputs, torch.Tensor) else outputs)
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        seen: set = set()
         with torch._C.DisableTorchFunction():
-            while todo:
-                node = todo.pop()
-                if node is None or node in seen:
-                    continue
-                seen.add(node)
-                for attr in dir(node):
-                    if not attr.startswith("_saved_"):
-                        continue
-                    try:
-                        value = getattr(node, attr)
-                    except RuntimeError:  # freed already (a backward before, without retain_graph)
-                        continue
-                    for t in value if isinstance(value, (tuple, list)) else (value,):
-                        if isinstance(t, torch.Tensor) and self._on_device(t):
-                            self._ledger.add(_storage(t), Category.ACTIVATIONS, self._root_name)
-                todo.extend(n for n, _ in node.next_functions)
+            _walk_nodes(todo, claim, lambda node: True)
 
     def _on_node_grads(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
         if self._done or not self._profiled or not self._active:
