@@ -24,6 +24,7 @@ steps a hook raises a private ``BaseException``, which a script's
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -100,6 +101,7 @@ class _Observer:
         self._depth = 0
         self._seq = itertools.count()
         self._outermost: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+        self.spawned = 0  # processes the script started with torch.multiprocessing.spawn (a real GPU's run)
         self._pending: tuple[nn.Module, list[torch.optim.Optimizer]] | None = None
         # What the tracker follows: the models and their optimizers, in the order they step.
         self._trained: list[tuple[nn.Module, torch.optim.Optimizer]] = []
@@ -159,7 +161,10 @@ class _Observer:
         after the ``warmup``-th (the second at least)."""
         watch = self._watches.get(module)
         if watch is None:
-            self._watches[module] = GradientWatch(module)
+            # A lazy module's parameters materialise in this forward (its own pre-hook runs after this one):
+            # watched from the next forward, once they exist and take gradient hooks.
+            if not any(nn.parameter.is_lazy(p) for p in module.parameters()):
+                self._watches[module] = GradientWatch(module)
             return
         if not watch.stepped():
             return
@@ -436,6 +441,16 @@ class _Observer:
                 return self._as_one(models)
         if best is None and (copied := self._model_of_copy(opt, wanted)) is not None:
             return copied
+        if best is None and self._outermost and not any(
+                p.requires_grad for m in self._outermost for p in m.parameters()):
+            # No module called trains: the optimizer steps what the model is given (style transfer's
+            # and DeepDream's input image, an adversarial example) through a frozen model. That model
+            # is the module called last, and the tensors stepped are the optimizer's own.
+            model = max(self._outermost.items(), key=lambda item: item[1])[0]
+            log.info("%s steps %d tensors that no module holds through %s, whose parameters are frozen: "
+                     "tracked as the optimizer's own parameters (an input it optimizes)",
+                     type(opt).__name__, len(wanted), type(_uncompiled(model)).__name__)
+            return model
         if best is None and quiet:
             return None
         if best is None and self._outermost:
@@ -635,7 +650,7 @@ def observe_script(
             try:
                 observer.install()
                 try:
-                    with _alarm(timeout):
+                    with _alarm(timeout), (_spawns(observer) if gpu is None else contextlib.nullcontext()):
                         runpy.run_path(str(path), run_name="__main__")
                 except BaseException as exc:  # the script's own errors, exits and Ctrl-C, and our _Stop
                     outcome = exc
@@ -658,6 +673,30 @@ def observe_script(
         os.environ.update({k: v for k, v in saved_env.items() if os.environ.get(k) != v})
         _switches(saved_switches)
     return _result(observer, path, list(args), outcome, device if gpu is not None else None)
+
+
+@contextlib.contextmanager
+def _spawns(observer: "_Observer") -> Iterator[None]:
+    """``torch.multiprocessing.spawn`` and ``start_processes`` as they are, counting the processes they
+    start: those train where memprof's hooks, in this process, do not see (pytorch/examples' ImageNet's
+    ``mp.spawn(main_worker, nprocs=ngpus_per_node)``). A simulated GPU runs the first in this process."""
+    import torch.multiprocessing as mp
+
+    originals = {name: getattr(mp, name) for name in ("spawn", "start_processes")}
+
+    def counting(original: Callable) -> Callable:
+        def started(fn: Callable, args: tuple = (), nprocs: int = 1, *rest: Any, **kwargs: Any) -> Any:
+            observer.spawned += nprocs
+            return original(fn, args, nprocs, *rest, **kwargs)
+        return functools.wraps(original)(started)
+
+    for name, original in originals.items():
+        setattr(mp, name, counting(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(mp, name, original)
 
 
 @contextlib.contextmanager
@@ -768,6 +807,15 @@ def _result(observer: _Observer, path: str | os.PathLike, args: list[str], outco
             raise ScriptError(
                 f"no training step finished within the timeout ({observer.optimizer_steps or observer.manual_steps} training steps seen, "
                 f"{needed} needed); give a longer timeout or make the script step sooner"
+            )
+        if observer.optimizer_steps == 0 and observer.manual_steps == 0 and tracker is None and observer.spawned:
+            raise ScriptError(
+                f"the script ended without a training step in this process: it trained in {observer.spawned} "
+                "process(es) it started with torch.multiprocessing.spawn, which memprof does not follow (its hooks "
+                "are in this process); `memprof track --target GPU` runs the first of them in this process on a "
+                "simulated GPU; to measure on a GPU, run the script without spawning (one process: pytorch/examples' "
+                "ImageNet without --multiprocessing-distributed, with --gpu 0) or use memprof.track inside the "
+                "function it spawns"
             )
         if observer.optimizer_steps == 0 and observer.manual_steps == 0 and tracker is None:
             raise ScriptError(

@@ -773,6 +773,8 @@ class _Watch:
         self.backwards, self._pending, self._per_step, self._forward_since = 0, 0, [], False
         self._left: tuple[weakref.ref, int] | None = None  # that gradient, and its version then
         first = next((p for p in model.parameters() if p.requires_grad), None)
+        if first is None and opt is not None:  # a frozen model: the optimizer steps its input (style transfer)
+            first = next((p for g in opt.param_groups for p in g["params"] if p.requires_grad), None)
         if first is not None:
             self._handles += [first.register_hook(Shared(functools.partial(self._on_gradient, weakref.ref(first)))),
                               first.register_post_accumulate_grad_hook(Shared(self._on_backward))]

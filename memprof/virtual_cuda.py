@@ -60,6 +60,7 @@ from types import FunctionType
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack as _function_modes
 from torch.utils import _foreach_utils
 from torch.utils._device import DeviceContext, _device_constructors
@@ -253,6 +254,13 @@ class _Mode(TorchFunctionMode):
         if kwargs.get("pin_memory"):
             kwargs = {**kwargs, "pin_memory": False}
         if name in _FROM_DATA and not (args and _on_meta(args[0])):
+            if args and isinstance(args[0], (list, tuple)):
+                # Simulated GPU tensors inside the data (torch.tensor([meter.sum, meter.count], device="cuda"),
+                # pytorch/examples' ImageNet): C++ reads each one's value with item(), below any mode, as a
+                # GPU would after a copy to the host: their host copies, with the values followed.
+                data = _host_data(self.vc, args[0])
+                if data is not args[0]:
+                    args = (data, *args[1:])
             # No device given: the default one, which PyTorch's DeviceContext (below this mode) adds.
             device = kwargs.get("device") or _device_arg(torch.get_default_device())
             if device == _META:
@@ -539,6 +547,18 @@ def _from_data(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
     return _to_meta(func(*args, **kwargs)).requires_grad_(requires_grad)
 
 
+def _host_data(vc: "VirtualCUDA", data: Any) -> Any:
+    """``data`` (nested lists and tuples) with its simulated GPU tensors as their host copies; ``data``
+    itself where it holds none."""
+    if _on_meta(data):
+        return _host_copy(vc, data)
+    if isinstance(data, (list, tuple)):
+        items = [_host_data(vc, d) for d in data]
+        if any(a is not b for a, b in zip(items, data)):
+            return type(data)(items) if isinstance(data, list) else tuple(items)
+    return data
+
+
 def _on_meta(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.is_meta
 
@@ -801,12 +821,12 @@ class VirtualCUDA:
             stack.enter_context(_replace(torch, "Generator", Generator))
             stack.enter_context(triton_launches(self.gpu, self.allocator, self.values, self._note))
             stack.enter_context(_replace(torch, "compile", self._compile))
-            # TorchScript: modules (torch.jit.script, ScriptModule subclasses), functions and traces.
+            # TorchScript: modules (torch.jit.script, ScriptModule subclasses) and functions; traces run eagerly.
             import torch.jit._recursive as jit_recursive
 
-            for module, attr in ((jit_recursive, "create_script_module"), (torch._C, "_jit_script_compile"),
-                                 (torch.jit, "trace")):
+            for module, attr in ((jit_recursive, "create_script_module"), (torch._C, "_jit_script_compile")):
                 stack.enter_context(_replace(module, attr, self._torchscript(getattr(module, attr))))
+            stack.enter_context(_replace(torch.jit, "trace", self._trace))
             stack.enter_context(_replace(torch.nn.Module, "compile", _module_compile(self)))
             if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_padded_dense_to_jagged_forward", "Meta"):
                 # Nested tensors' to_padded_tensor backward runs it inside their own dispatch, below memprof's modes.
@@ -818,6 +838,7 @@ class VirtualCUDA:
                 stack.enter_context(_replace(meta, "_create_grouped_mm_output_tensor",
                                              _padded_rows(meta._create_grouped_mm_output_tensor)))
             stack.enter_context(_replace(torch, "save", self._save))
+            stack.callback(register_optimizer_step_post_hook(self._lbfgs_note).remove)
             stack.enter_context(_replace(torch, "load", self._load(torch.load)))
             for module, attr, fn in self._safetensors():
                 stack.enter_context(_replace(module, attr, fn))
@@ -940,13 +961,32 @@ class VirtualCUDA:
 
         def __init__(ddp: DDP, *args: Any, **kwargs: Any) -> None:
             init(ddp, *args, **kwargs)
-            register(ddp, None, noop_hook)
+            hooks = ddp.__dict__.setdefault("_memprof_comm_hook", [None, noop_hook])  # the script's, once it registers
+
+            def dispatch(state, bucket):  # (unannotated: DDP checks a hook's annotations)
+                return hooks[1](hooks[0], bucket)
+
+            register(ddp, None, dispatch)
 
         def left_out(hook: Any) -> None:
             self.notes["DDP communication hook"] = (
                 f"DDP's communication hook {getattr(hook, '__name__', hook)!s} is not simulated (no communication is)")
 
-        return {"__init__": __init__, "register_comm_hook": lambda ddp, state, hook: left_out(hook),
+        def register_comm_hook(ddp: DDP, state: Any, hook: Callable) -> None:
+            # The script's hook runs, with what it allocates (fp16/bf16_compress_hook's compressed
+            # copy of each bucket, PowerSGD's factors): only its collectives are the fake group's,
+            # whose futures are given the tensor they reduce as their result (one rank's sum).
+            self.notes["DDP communication hook"] = (
+                f"DDP's communication hook {getattr(hook, '__name__', hook)!s} runs with its own tensors; its "
+                "collectives do not communicate (NCCL keeps their inputs until its watchdog frees them: left out)")
+
+            def simulated(hook_state: Any, bucket: Any) -> Any:
+                with _replace(torch.distributed, "all_reduce", _completed_all_reduce(torch.distributed.all_reduce)):
+                    return hook(hook_state, bucket)
+
+            ddp.__dict__["_memprof_comm_hook"][:] = [state, simulated]
+
+        return {"__init__": __init__, "register_comm_hook": register_comm_hook,
                 "_register_builtin_comm_hook": lambda ddp, comm_hook_type: left_out(comm_hook_type)}
 
     def _spawn(self, fn: Callable, args: tuple = (), nprocs: int = 1, join: bool = True, *rest: Any,
@@ -982,13 +1022,44 @@ class VirtualCUDA:
         tensors' device is meta and memprof's autocast does not cast them."""
 
         def compiled(*args: Any, **kwargs: Any) -> Any:
+            if _torch_compiles_itself():  # forward AD's decompositions (torch._decomp.decompositions_for_jvp)
+                return compile(*args, **kwargs)
             self._note("TorchScript", "code compiled by torch.jit runs in TorchScript's interpreter, below the "
                        "simulated GPU's Python layer: there tensors are on the meta device (x.is_cuda is False, so "
                        "code that branches on it takes another path) and autocast does not cast its operators (they "
-                       "run in their inputs' dtype); its memory is simulated as it runs so")
+                       "run in their inputs' dtype); its memory is simulated as the interpreter runs them")
             return compile(*args, **kwargs)
 
         return compiled
+
+    def _trace(self, what: Callable, *args: Any, **kwargs: Any) -> Callable:
+        """``torch.jit.trace``: ``what`` itself, run eagerly. The tracer records the operators the
+        simulated GPU's Python layer runs (its meta kernels' size checks, its own convolution), not the
+        script's, so a trace made here would compute something else; eagerly the same operators run, and
+        a traced graph saves for backward what they save."""
+        name = "the model" if isinstance(what, torch.nn.Module) else f"{getattr(what, '__qualname__', what)!s}"
+        self._note("torch.jit.trace", f"simulated eagerly ({name}): the traced graph's operators run as the "
+                   "module's own forward (TorchScript's fusions on a GPU can save less for backward)")
+        return what
+
+    def _lbfgs_note(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """L-BFGS ends a step's iterations (``abs(loss - prev_loss) < tolerance_change``, the gradient's
+        norm) and keeps a curvature pair (``ys > 1e-10``) by values a simulation does not have, and its
+        history of pairs is memory: what it did here, and the most it keeps on a GPU."""
+        if not isinstance(opt, torch.optim.LBFGS) or "L-BFGS" in self.notes:
+            return
+        group = opt.param_groups[0]
+        params = [p for p in group["params"] if p.is_meta]
+        if not params:
+            return
+        state = opt.state[group["params"][0]]
+        pair = 2 * sum(p.numel() for p in params) * params[0].element_size()  # old_dirs' y and old_stps' s
+        most = group["history_size"] * pair
+        self._note("L-BFGS", f"its iterations per step and its curvature history follow the values of the loss and "
+                   f"the gradients, which a simulation does not have: here it ran {state.get('n_iter', 0)} iteration(s) "
+                   f"in {state.get('func_evals', 0)} closure call(s) and kept {len(state.get('old_dirs', []))} pair(s); "
+                   f"on a GPU a step runs up to max_iter={group['max_iter']} iterations and the history keeps up to "
+                   f"history_size={group['history_size']} pairs of {pair / 2**20:.2f} MiB, {most / 2**20:.2f} MiB at most")
 
     def _note(self, what: str, why: str, message: str | None = None) -> None:
         """What runs differently on the simulated GPU: ``why`` in the report's notes under
@@ -1173,8 +1244,25 @@ def _set_data(t: torch.Tensor, value: torch.Tensor) -> None:
         value = torch.nn.Parameter(value, requires_grad=t.requires_grad)
     else:
         value = value.detach().requires_grad_(t.requires_grad)
+    kept = _python_side(t)
     torch.utils.swap_tensors(t, value)
+    _restore_python_side(t, kept)
     _rehook(t)
+
+
+def _python_side(t: torch.Tensor) -> tuple[type, dict]:
+    """What ``set_data`` leaves alone and ``torch.utils.swap_tensors`` swaps away: the object's
+    class (a lazy module's UninitializedParameter, a Parameter subclass) and its attributes
+    (``p.no_weight_decay = True``, Megatron's ``p.sequence_parallel``)."""
+    return type(t), dict(getattr(t, "__dict__", {}))
+
+
+def _restore_python_side(t: torch.Tensor, kept: tuple[type, dict]) -> None:
+    cls, attributes = kept
+    if type(t) is not cls:
+        t.__class__ = cls
+    for name, value in attributes.items():
+        t.__dict__.setdefault(name, value)
 
 
 def _rehook(t: torch.Tensor) -> None:
@@ -1207,7 +1295,9 @@ def _keeping_parameters(original: Callable) -> Callable:
     def _apply(self: torch.nn.Module, fn: Callable, recurse: bool = True) -> torch.nn.Module:
         if depth[0]:
             return original(self, fn, recurse)
-        before = [(m, name, p) for m in self.modules() for name, p in m._parameters.items() if p is not None]
+        # (what swap_tensors swaps away and a GPU's set_data keeps: the class and attributes)
+        before = [(m, name, p, _python_side(p)) for m in self.modules() for name, p in m._parameters.items()
+                  if p is not None]
         swap = torch.__future__.get_swap_module_params_on_conversion()
         depth[0] += 1
         try:
@@ -1221,9 +1311,10 @@ def _keeping_parameters(original: Callable) -> Callable:
             torch.__future__.set_swap_module_params_on_conversion(swap)
             depth[0] -= 1
         first = WeakIdKeyDictionary()
-        for module, name, old in before:
+        for module, name, old, side in before:
             new = module._parameters[name] if name in module._parameters else None  # (TorchScript's has no get)
             if new is old:
+                _restore_python_side(old, side)
                 _rehook(old)
             kept = first.get(old)
             if kept is None:
@@ -1304,3 +1395,48 @@ class _replace:
             setattr(self.obj, self.attr, self.old)
         else:
             delattr(self.obj, self.attr)
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_JIT_DIR = os.path.join(_TORCH_DIR, "jit") + os.sep
+_MEMPROF_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _torch_compiles_itself() -> bool:
+    """Whether TorchScript's compiler was called by PyTorch's own code, not the script's: the first
+    caller outside torch.jit (and memprof) is inside torch. ``fwAD.make_dual`` imports
+    torch._decomp.decompositions_for_jvp, which scripts PyTorch's decompositions for forward AD."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        raw = frame.f_code.co_filename
+        name = os.path.abspath(raw)
+        if not (raw.startswith("<frozen") or name.startswith(_JIT_DIR) or name.startswith(_MEMPROF_DIR)):
+            return name.startswith(_TORCH_DIR)
+        frame = frame.f_back
+    return False
+
+
+class _DoneWork:
+    """A collective's work that is done, its future holding the tensors it reduced (the fake
+    process group's carries no result, which communication hooks read: ``fut.value()[0]``)."""
+
+    def __init__(self, tensors: list) -> None:
+        self._future = torch.futures.Future()
+        self._future.set_result(tensors)
+
+    def get_future(self) -> Any:
+        return self._future
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _completed_all_reduce(all_reduce: Callable) -> Callable:
+    def completed(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = all_reduce(tensor, *args, **kwargs)
+        return _DoneWork([tensor]) if work is not None else None
+
+    return completed

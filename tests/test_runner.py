@@ -1439,3 +1439,87 @@ def test_tf32_set_through_fp32_precision(tmp_path, clean):
     assert tf32 < ieee / 2  # H200: 494 dense TF32 TFLOPS against 67 of fp32
     assert (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()) == (False, "highest")
     assert torch.backends.cuda.matmul.fp32_precision in ("none", "ieee")
+
+
+LAZY = """
+    import torch
+    from torch import nn
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.LazyLinear(16)
+            self.head = nn.Linear(16, 4)
+        def forward(self, x):
+            return self.head(torch.relu(self.body(x)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Net()
+    model.head.weight.tag = "kept"
+    model = model.to(device)
+    assert model.head.weight.tag == "kept" and isinstance(model.body.weight, nn.UninitializedParameter)
+    model(torch.randn(8, 32, device=device))  # the dry run nn.LazyModuleMixin's docs advise
+    opt = torch.optim.Adam(model.parameters())
+    for _ in range(4):
+        model(torch.randn(8, 32, device=device)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("target", [None, "h200"])
+def test_lazy_modules_materialise_in_the_first_forward(tmp_path, clean, target):
+    """A lazy module's parameters exist after its first forward: the gradient hooks wait for
+    them (they raised on an UninitializedParameter, on a GPU too), and ``.to("cuda")`` on the
+    simulated GPU keeps a parameter's class and attributes, as ``set_data`` does. 16 x 32 + 16
+    and 4 x 16 + 4 fp32 parameters: 2384 bytes; 3584 in 512-byte blocks on the GPU."""
+    report = observe_script(write(tmp_path, LAZY), steps=2, target=target)
+    params = 2384 if target is None else 2048 + 3 * 512
+    assert (report.peak.bytes["parameters"], report.peak.bytes["gradients"]) == (params, params)
+    assert report.optimizer_state["exp_avg"] == report.optimizer_state["exp_avg_sq"] == params
+
+
+FROZEN = """
+    import torch
+    from torch import nn
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to(device).eval().requires_grad_(False)
+    image = torch.randn(8, 64, device=device).requires_grad_(True)
+    opt = torch.optim.LBFGS([image])
+    for _ in range(3):
+        def closure():
+            opt.zero_grad()
+            loss = net(image).square().sum()
+            loss.backward()
+            return loss
+        opt.step(closure)
+"""
+
+
+def test_an_optimizer_over_the_input_of_a_frozen_model(tmp_path, clean):
+    """Style transfer's habit: L-BFGS steps the input image through a frozen network. The model
+    is the module called, the image (8 x 64 fp32, 2048 bytes) the optimizer's own tensor beside
+    its 4810 frozen parameters; the simulated GPU says how L-BFGS's history follows values."""
+    script = write(tmp_path, FROZEN)
+    report = observe_script(script, steps=2)
+    assert (report.peak.bytes["parameters"], report.peak.bytes["gradients"]) == (4810 * 4 + 2048, 2048)
+    simulated = observe_script(script, steps=2, target="h200")
+    assert simulated.peak.bytes["parameters"] == 16384 + 512 + 2560 + 512 + 2048
+    assert "history_size=100 pairs" in simulated.meta["simulation_notes"]["L-BFGS"]
+
+
+def test_a_script_that_trains_in_spawned_processes_says_so(tmp_path, clean):
+    """pytorch/examples' ImageNet trains in ``mp.spawn``'s processes, where this process's hooks
+    do not see: the error names them and the ways out."""
+    script = write(tmp_path, """
+        import torch
+        import torch.multiprocessing as mp
+        def main_worker(rank):
+            model = torch.nn.Linear(4, 4)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(3):
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+        if __name__ == "__main__":
+            mp.spawn(main_worker, nprocs=1)
+    """)
+    with pytest.raises(ScriptError, match=r"it trained in 1 process\(es\) it started with torch.multiprocessing.spawn"):
+        observe_script(script, steps=2)

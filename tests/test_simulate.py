@@ -484,22 +484,67 @@ def test_moving_a_host_tensor_in_place():
 
 
 def test_ddp_with_a_communication_hook_of_its_own():
-    """A script's DDP communication hooks are left out (no communication is simulated): its
-    step runs, and the report says which hook."""
+    """A script's DDP communication hook runs, with what it allocates (fp16_compress_hook's half
+    copy of each bucket); its collectives are the fake group's, done at once with the bucket's
+    own values. Built-in hooks (C++) are left out, and the report says which."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    buckets = []
+
+    def hook(state, bucket):
+        buckets.append((bucket.buffer().numel(), bucket.buffer().dtype))
+        return default_hooks.fp16_compress_hook(state, bucket)
 
     with VirtualCUDA("h100") as vc:
         dist.init_process_group("nccl", rank=0, world_size=1)
         try:
             model = nn.parallel.DistributedDataParallel(nn.Linear(8, 8).cuda())
-            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            model.register_comm_hook(None, hook)
             model(torch.randn(2, 8, device="cuda")).sum().backward()
             assert model.module.weight.grad.shape == (8, 8)
+            assert buckets == [(8 * 8 + 8, torch.float32)]
+            assert vc.notes["DDP communication hook"].startswith("DDP's communication hook hook runs with its own")
             model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
         finally:
             dist.destroy_process_group()
     assert vc.notes["DDP communication hook"].startswith("DDP's communication hook BuiltinCommHookType.FP16_COMPRESS")
+
+
+def test_gpu_scalars_in_a_tensors_data_are_read_as_on_a_gpu():
+    """pytorch/examples' ImageNet reduces ``torch.tensor([meter.sum, meter.count], device="cuda")``
+    where ``meter.sum`` is a 0-dim CUDA tensor: PyTorch reads its value (a copy to the host)."""
+    with VirtualCUDA("h100"):
+        total = torch.tensor(200.0, device="cuda")
+        pair = torch.tensor([total, 4], dtype=torch.float32, device="cuda")
+        assert pair.is_cuda and pair.shape == (2,) and pair.tolist() == [200.0, 4.0]
+
+
+def test_a_traced_model_trains_eagerly_with_a_note():
+    """``torch.jit.trace`` would record the simulated GPU's own operators (its meta kernels' size
+    checks, its convolution): the model runs eagerly instead, and the report says so."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    with VirtualCUDA("h100") as vc:
+        model = model.cuda()
+        traced = torch.jit.trace(model, torch.randn(2, 3, 8, 8, device="cuda"))
+        assert traced is model
+        traced(torch.randn(4, 3, 8, 8, device="cuda")).sum().backward()
+        assert model[0].weight.grad.shape == (8, 3, 3, 3)
+    assert vc.notes["torch.jit.trace"].startswith("simulated eagerly (the model)")
+    assert "TorchScript" not in vc.notes
+
+
+def test_forward_ad_is_not_the_scripts_torchscript():
+    """``fwAD.make_dual`` makes PyTorch script its own decompositions for forward AD: no
+    TorchScript note for the script, and the tangent is the product's."""
+    import torch.autograd.forward_ad as fwAD
+
+    with VirtualCUDA("h100") as vc:
+        x = torch.randn(16, device="cuda")
+        with fwAD.dual_level():
+            out = fwAD.unpack_dual(torch.sin(fwAD.make_dual(x, torch.ones_like(x))))
+        assert out.tangent.shape == (16,) and out.tangent.is_cuda
+    assert "TorchScript" not in vc.notes
 
 
 def test_data_parallel_scatters_and_gathers_as_pytorch_does():
