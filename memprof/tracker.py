@@ -1628,14 +1628,19 @@ class Tracker:
         as it is made. A language model with a large vocabulary peaks there, and the interval's end
         had named the log-probabilities and both gradients temporaries. Where the allocator's counters
         are (CUDA, simulated): on the CPU the peak is the highest sample, and these are no samples of it."""
-        if (self._transformed_forward and self._graph_top is None and not self._done and self._profiled
+        if (self._transformed_forward and not self._done and self._profiled
                 and self._active and not transformed()):
             # The forward ran where no hook could watch it (inside torch.func's transforms): what its
             # graph's nodes saved is the root's activations, claimed before the backward frees them.
+            # Also where the model ran outside them too (a PINN's boundary loss beside its vmap(hessian)
+            # residual): those saves are known already, and the ledger keeps their first owner.
             self._transformed_forward = False
             self._claim_graph(outputs)
-            self._sample(Phase.BACKWARD, "", ("bwd_start", ""))
-            return
+            if self._graph_top is None:
+                self._sample(Phase.BACKWARD, "", ("bwd_start", ""))
+                return
+            # Backward's peak is measured from here: the claimed saves are the interval's start.
+            self._sample(self._kind, self._phase_module, ("bwd_start", ""))
         if (self._done or not self._profiled or not self._active or self._graph_top is None
                 or not self._counters.available):
             return

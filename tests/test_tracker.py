@@ -769,6 +769,30 @@ def test_a_forward_inside_torch_func_transforms_is_one_phase_with_its_graph_save
     assert "backward" in timeline[timeline["step"] == 1]["phase"].tolist()
 
 
+def test_a_model_run_inside_and_outside_torch_func_claims_both_graphs():
+    """A PINN's habit: the residual's forward inside vmap, a boundary loss's outside it. The
+    transformed forward's saves (51200 + 204800 + 4000 bytes, as above) are activations beside
+    the plain forward's ReLU output (4 x 256 fp32, 4096) and its output that square saves (80)."""
+    from torch.func import functional_call, vmap
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 5))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def task_loss(x):
+        return functional_call(net, dict(net.named_parameters()), (x,)).square().sum()
+
+    with memprof.track(net) as prof:
+        for _ in range(2):
+            (vmap(task_loss)(torch.randn(8, 25, 64)).sum() + net(torch.randn(4, 64)).square().sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    timeline = prof.report().timeline
+    step = timeline[timeline["step"] == 1]
+    assert step["activations"].max() == 51200 + 204800 + 4000 + 4096 + 80
+    assert step["temporaries"].max() == 0
+
+
 def test_a_sparse_input_counts_its_indices_too():
     """pygcn's habit: the graph's adjacency is a sparse COO tensor passed to the model. Its
     indices (2 x 5000 int64, 80000 bytes) are four fifths of it, beside its 5000 fp32 values:
