@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from rich.console import Console, RenderableType
 from rich.table import Table
@@ -145,8 +145,32 @@ def batch_shapes_note(meta: dict) -> str:
             "to size the GPU.")
 
 
+def growth_note(steps: Any) -> str | None:
+    """A note where memory left allocated at each step's end grows from step to step: the script keeps
+    tensors of earlier steps (a loss, an output or a validation loss kept with its graph), and then the
+    peak depends on how long the run goes, not on the step."""
+    if steps is None or "allocated" not in steps or len(steps) < 3:
+        return None
+    ends = [int(x) for x in steps["allocated"].dropna()]
+    if len(ends) < 3:
+        return None
+    rises = [b - a for a, b in zip(ends, ends[1:])]
+    if min(rises) < max(1 << 20, ends[0] // 100):  # every step keeps at least 1 MiB (1 % of what is held)
+        return None
+    per_step = (ends[-1] - ends[0]) // (len(ends) - 1)
+    return (f"memory grows across steps: {fmt_bytes(per_step)} more is allocated at the end of each step "
+            f"({fmt_bytes(ends[0])} after the first observed step, {fmt_bytes(ends[-1])} after the last). "
+            "The script keeps tensors from earlier steps, most often a loss or an output kept with its autograd "
+            "graph (running_loss += loss, history.append(loss), a validation loss computed without "
+            "torch.no_grad()): keep loss.item() or a detached tensor. The peak above grows with the run's length; "
+            "kept saved tensors of earlier steps count as temporaries.")
+
+
 def render_report(report: "Report") -> Iterator[RenderableType]:
     yield category_table(report)
+    growth = growth_note(report.steps)
+    if growth:
+        yield Text(growth)
     for what, why in (report.meta.get("simulation_notes") or {}).items():
         yield Text(f"simulated differently: {what}: {why}")  # not markup: "x[mask]"
     if report.meta.get("batch_shapes"):

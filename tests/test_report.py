@@ -195,3 +195,19 @@ def test_simulation_notes_are_shown_with_the_report(report):
             "selected") in report_text(noted, width=200)
     assert "<li><b>upper bound: x[mask]</b>: on values not followed" in noted.to_html()
     assert "simulated differently" not in report_text(report, width=200)
+
+
+def test_memory_that_grows_from_step_to_step_is_named():
+    """``running_loss += loss`` keeps each step's graph: what is allocated at the steps' ends
+    rises by at least 1 MiB (and 1 %) every step. Steps that level off, or only two, say nothing."""
+    import pandas as pd
+
+    from memprof.render import growth_note
+
+    leaking = pd.DataFrame({"allocated": [100 * MiB, 110 * MiB, 120 * MiB, 130 * MiB]})
+    note = growth_note(leaking)
+    assert note.startswith("memory grows across steps: 10.00 MiB more is allocated at the end of each step "
+                           "(100.00 MiB after the first observed step, 130.00 MiB after the last)")
+    assert growth_note(pd.DataFrame({"allocated": [100 * MiB, 110 * MiB, 110 * MiB, 120 * MiB]})) is None
+    assert growth_note(pd.DataFrame({"allocated": [100 * MiB, 100 * MiB + MiB // 2, 101 * MiB]})) is None
+    assert growth_note(leaking.head(2)) is None
