@@ -197,6 +197,18 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "adafactor-pure-bf16": (".", "adafactor_pure_bf16.py", ["--steps", "10"], ()),
     "functorch-maml": (".", "functorch_maml.py", ["--steps", "10"], ()),
     "memory-fraction-cap": (".", "memory_fraction_cap.py", ["--steps", "10"], ()),
+    "lazy-iterable-tqdm": (".", "lazy_iterable_tqdm.py", ["--steps", "10"], ()),
+    "imagenet-example-one-gpu": (".", "mp_spawn_imagenet.py", ["--steps", "10", "--gpu", "0"], ()),
+    "style-transfer-lbfgs": (".", "style_transfer_lbfgs.py", ["--steps", "10"], VISION),
+    "graphed-callables": (".", "graphed_callables.py", ["--steps", "10"], ()),
+    "jit-trace-train": (".", "jit_trace_train.py", ["--steps", "10"], ()),
+    "compiled-optimizer-lr": (".", "compiled_optimizer_lr.py", ["--steps", "10"], ()),
+    "forward-ad-pinn": (".", "forward_ad_pinn.py", ["--steps", "10"], ()),
+    "ddp-static-graph": (".", "ddp_static_graph.py", ["--steps", "10"], ()),
+    "orthogonal-rnn": (".", "orthogonal_rnn.py", ["--steps", "10"], ()),
+    "deprecated-sdp-kernel": (".", "deprecated_sdp_kernel.py", ["--steps", "10"], ()),
+    "loss-history-leak": (".", "loss_history_leak.py", ["--steps", "10"], ()),
+    "sac-policy-ckpt": (".", "sac_policy_ckpt.py", ["--steps", "10"], ()),
 }
 
 

@@ -129,6 +129,22 @@ SMALL = {
     "raft_flow.py": ["--batch_size", "4", "--image_size", "64", "96", "--iters", "3"],
     "reformer_reversible.py": ["--batch_size", "4", "--seq_len", "256", "--dim", "64", "--depth", "2", "--validate_every",
                                "3"],
+    "lazy_iterable_tqdm.py": ["--batch-size", "16", "--image-size", "64"],
+    "mp_spawn_imagenet.py": ["-b", "8", "--image-size", "64", "-j", "2"],
+    "style_transfer_lbfgs.py": ["--imsize", "64"],
+    "graphed_callables.py": ["--n-layers", "2", "--d-model", "256", "--n-heads", "4", "--seq-len", "128",
+                             "--batch-size", "4", "--vocab-size", "8192", "--warmup-iters", "1"],
+    "jit_trace_train.py": ["--width", "16", "--image-size", "64", "-b", "8", "--num-classes", "100"],
+    "compiled_optimizer_lr.py": ["--width", "512", "--layers", "4", "--batch-size", "16"],
+    "forward_ad_pinn.py": ["--n-collocation", "2048", "--n-boundary", "256", "--width", "64", "--depth", "4"],
+    "ddp_static_graph.py": ["--batch-size", "8", "--accum-steps", "2", "--image-size", "32", "--width", "16",
+                            "--hidden", "256", "--num-classes", "100"],
+    "orthogonal_rnn.py": ["--vocab", "1000", "--emsize", "64", "--nhid", "256", "--batch-size", "16", "--bptt", "32"],
+    "deprecated_sdp_kernel.py": ["--n_layer", "2", "--n_embd", "256", "--n_head", "4", "--block_size", "512",
+                                 "--batch_size", "4", "--vocab_size", "8192"],
+    "loss_history_leak.py": ["--batch-size", "32", "--image-size", "64", "--print-every", "1", "--val-every", "1"],
+    "sac_policy_ckpt.py": ["--dim", "256", "--n_layers", "2", "--n_heads", "4", "--hidden_dim", "704",
+                           "--vocab_size", "4096", "--batch_size", "2", "--seq_len", "512"],
 }
 
 
