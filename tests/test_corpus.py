@@ -259,6 +259,17 @@ def test_lightning_ddp_runs_one_rank_of_the_fake_process_group(tmp_path):
     assert "one rank of 1 on PyTorch's fake process group" in report["meta"]["simulation_notes"]["torch.distributed"]
 
 
+def test_pytorch_examples_imagenet_spawned_runs_every_plan(tmp_path):
+    """pytorch/examples' ImageNet with --multiprocessing-distributed: mp.spawn's one process runs in
+    this one on the simulated GPU, and its meters' all_reduce of torch.tensor([meter.sum, meter.count])
+    (a 0-dim CUDA tensor inside the data) no longer stops 13 of the 20 plans."""
+    extra = ("--multiprocessing-distributed", "--world-size", "1", "--rank", "0", "--dist-url",
+             "tcp://127.0.0.1:23456", "--steps", "5")
+    advice, _ = _run("advise", "imagenet-example-one-gpu", tmp_path, "--budget", "24GiB", extra=extra)
+    assert "torch.multiprocessing.spawn" in advice["baseline"]["meta"]["simulation_notes"]
+    assert len(advice["plans"]) == 20 and advice["failed"] == {}
+
+
 @pytest.mark.parametrize("name", ["nanogpt-fp16-scaler", "gqa-fp32", "hf-trainer", "lightning", "vision-reference",
                                   "peft-lora", "cuda-api-bf16", "accelerate-clm", "ddp-classifier", "fsdp2-llama",
                                   "prefetch-classifier", "dcgan", "conformer-asr", "hf-detr-matcher", "wav2vec2-ctc",
