@@ -338,8 +338,19 @@ class _Capture:
 
 
 def _make_graphed_callables(callables: Any, sample_args: Any, *args: Any, **kwargs: Any) -> Any:
-    """``torch.cuda.make_graphed_callables``: the callables themselves, run eagerly at each call."""
-    return callables
+    """``torch.cuda.make_graphed_callables``: PyTorch's own (torch/cuda/graphs.py) over the simulated
+    graphs. Its warm-up runs on a side stream; its captures run once, allocating the static outputs,
+    what the forward saves and the static gradients from one private pool that eager work does not
+    reuse, where they stay; a call returns the static outputs and its backward the static gradients
+    (a replay runs nothing: see :class:`_Graph`)."""
+    from torch.cuda import graphs
+
+    original = graphs.graph_pool_handle  # its module's name, torch._C's (no pool without CUDA)
+    graphs.graph_pool_handle = _graph_pool_handle
+    try:
+        return graphs.make_graphed_callables(callables, sample_args, *args, **kwargs)
+    finally:
+        graphs.graph_pool_handle = original
 
 
 _warned_replay: list[bool] = []

@@ -243,8 +243,8 @@ class SimulatedAllocator(TorchDispatchMode):
         # while that stream's work queued so far was not done: (the device's time it is, handle).
         self._stream_uses: set[int] = set()
         self._pending: list[tuple[float, int]] = []
-        #: cuBLAS's workspaces taken so far, by thread: autograd's (True) or the training thread's.
-        self._workspaces: dict[bool, int] = {}
+        #: cuBLAS's workspaces taken so far, by thread (autograd's: True, or the training thread's) and stream.
+        self._workspaces: dict[tuple[bool, int], int] = {}
         # Peaks (allocated, reserved) folded in before memprof's own resets.
         self._kept = (0, 0)
         #: The script's own meta tensors, not the GPU's (``virtual_cuda.MetaTensors``), where told apart.
@@ -347,7 +347,7 @@ class SimulatedAllocator(TorchDispatchMode):
         return self.model.reserved + NON_PYTORCH_BYTES
 
     def workspaces(self, known: Callable[[], set[int]]) -> int:
-        """cuBLAS's workspaces: one per thread that has run a matrix product."""
+        """cuBLAS's workspaces: one per thread and stream that has run a matrix product."""
         return len(self._workspaces) * cublas_workspace_bytes(self.gpu.compute_capability)
 
     def empty_cache(self) -> None:
@@ -570,12 +570,13 @@ class SimulatedAllocator(TorchDispatchMode):
             out, *cudnn = cudnn_layout(func, args, out)
         backward = torch._C._current_graph_task_id() != -1  # autograd's engine is running
         matmul = func.__name__.split(".")[0] in _MATMUL_OPS or _nested_linear(func, args)
-        if len(self._workspaces) < 2 and backward not in self._workspaces and matmul:
+        if matmul and (key := (backward, current_stream_id())) not in self._workspaces:
             # PyTorch keeps a cuBLAS workspace per handle and stream, and a handle per thread
             # (aten/src/ATen/cuda/CublasHandlePool.cpp): the training thread's, and on a GPU
-            # autograd's device thread's, which runs backward's kernels. Each is taken at the
-            # thread's first matrix product and kept for the process's life.
-            self._workspaces[backward] = self._malloc(cublas_workspace_bytes(self.gpu.compute_capability))
+            # autograd's device thread's, which runs backward's kernels, each on every stream it
+            # ran one on (a side stream's warm-up, a graph's capture). Each is taken at the
+            # pair's first matrix product and kept for the process's life.
+            self._workspaces[key] = self._malloc(cublas_workspace_bytes(self.gpu.compute_capability))
         made = [self._allocate(s) for t in tensors(out) if t.is_meta for s in _storages(t)]
         if func in REDUCTIONS and isinstance(out, torch.Tensor) and out.is_meta:
             staging = staging_bytes(func, args, out, self.gpu)

@@ -1313,3 +1313,43 @@ def test_a_scripts_own_memory_fraction_caps_the_simulated_gpu():
             torch.cuda.set_per_process_memory_fraction(1)
         with pytest.raises(ValueError, match="Invalid fraction value: 1.5. Allowed range: 0~1"):
             torch.cuda.set_per_process_memory_fraction(1.5)
+
+
+def test_a_cublas_workspace_per_thread_and_stream():
+    """PyTorch keeps a cuBLAS workspace per handle (a thread's) and stream
+    (CublasHandlePool.cpp): a matrix product on a side stream takes one more, kept."""
+    from memprof.simulate import SimulatedAllocator
+
+    workspace = cublas_workspace_bytes(H100.compute_capability)
+    allocator = SimulatedAllocator(H100)
+    with VirtualCUDA(H100, allocator=allocator):
+        a = torch.randn(64, 64, device="cuda")  # 16 KiB
+        a @ a
+        assert torch.cuda.memory_allocated() == 16384 + workspace
+        with torch.cuda.stream(torch.cuda.Stream()):
+            a @ a
+        assert torch.cuda.memory_allocated() == 16384 + 2 * workspace
+        a @ a
+        assert torch.cuda.memory_allocated() == 16384 + 2 * workspace
+
+
+def test_graphed_callables_keep_their_static_tensors():
+    """``torch.cuda.make_graphed_callables`` is PyTorch's own over the simulated graphs: its
+    static output, output gradient and input gradient (4 x 256 fp32, 4 KiB each) and the
+    Linear's static weight and bias gradients (256 KiB + 1 KiB) stay allocated after the
+    capture (the sample input is the static input itself); a call returns the static output
+    and its backward gives the parameters their gradients."""
+    from memprof.simulate import SimulatedAllocator
+
+    allocator = SimulatedAllocator(H100)
+    with VirtualCUDA(H100, allocator=allocator):
+        layer = nn.Linear(256, 256).cuda()
+        x = torch.randn(4, 256, device="cuda", requires_grad=True)
+        before = torch.cuda.memory_allocated()
+        graphed = torch.cuda.make_graphed_callables(layer, (x,))
+        kept = torch.cuda.memory_allocated() - before
+        out = graphed(x)
+        out.sum().backward()
+        assert out.shape == (4, 256) and layer.weight.grad.shape == (256, 256)
+    workspaces = 4 * cublas_workspace_bytes(H100.compute_capability)  # two threads x (side stream, capture's)
+    assert kept - workspaces == 3 * 4096 + 262144 + 1024
