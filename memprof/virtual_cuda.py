@@ -1039,7 +1039,9 @@ class VirtualCUDA:
         a traced graph saves for backward what they save."""
         name = "the model" if isinstance(what, torch.nn.Module) else f"{getattr(what, '__qualname__', what)!s}"
         self._note("torch.jit.trace", f"simulated eagerly ({name}): the traced graph's operators run as the "
-                   "module's own forward (TorchScript's fusions on a GPU can save less for backward)")
+                   "module's own forward; TorchScript's autodiff of a traced graph can save more for backward "
+                   "than eager mode (a traced ResNet-18-like net trained in 5.78 GiB on an H200, simulated "
+                   "eagerly in 2.94 GiB): measure on a GPU for the traced number")
         return what
 
     def _lbfgs_note(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
