@@ -74,6 +74,7 @@ from .cuda_api import LEGACY_TYPES, CudaRuntime, Generator, legacy_type
 from .devices import GPU, get_gpu
 from .sdpa import Environment, jagged_attention
 from .triton_kernels import triton_launches
+from .units import fmt_bytes
 from .values import Values, _note
 
 __all__ = ["MetaTensors", "VirtualCUDA", "current"]
@@ -1057,11 +1058,12 @@ class VirtualCUDA:
         state = opt.state[group["params"][0]]
         pair = 2 * sum(p.numel() for p in params) * params[0].element_size()  # old_dirs' y and old_stps' s
         most = group["history_size"] * pair
-        self._note("L-BFGS", f"its iterations per step and its curvature history follow the values of the loss and "
-                   f"the gradients, which a simulation does not have: here it ran {state.get('n_iter', 0)} iteration(s) "
-                   f"in {state.get('func_evals', 0)} closure call(s) and kept {len(state.get('old_dirs', []))} pair(s); "
-                   f"on a GPU a step runs up to max_iter={group['max_iter']} iterations and the history keeps up to "
-                   f"history_size={group['history_size']} pairs of {pair / 2**20:.2f} MiB, {most / 2**20:.2f} MiB at most")
+        self._note("L-BFGS", f"its iterations per step and its curvature history follow the values of the loss "
+                   f"and the gradients, which a simulation does not have: here it ran {state.get('n_iter', 0)} "
+                   f"iteration(s) in {state.get('func_evals', 0)} closure call(s) and kept "
+                   f"{len(state.get('old_dirs', []))} pair(s); on a GPU a step runs up to max_iter={group['max_iter']} "
+                   f"iterations and the history keeps up to history_size={group['history_size']} pairs of "
+                   f"{fmt_bytes(pair)}, {fmt_bytes(most)} at most")
 
     def _note(self, what: str, why: str, message: str | None = None) -> None:
         """What runs differently on the simulated GPU: ``why`` in the report's notes under
