@@ -743,12 +743,15 @@ def test_checkpointed_inputs_under_the_scripts_hooks(hooks):
     assert forward_end["activations"] == (3 * (128 * KiB + 4) if hooks else 2 * 512 * KiB)
 
 
-def test_a_forward_inside_torch_func_transforms_is_one_phase_with_its_graph_saved():
+@pytest.mark.parametrize("outside", [False, True])
+def test_a_forward_inside_torch_func_transforms_is_one_phase_with_its_graph_saved(outside):
     """The model called only inside vmap (functorch's MAML, per-sample losses): no module hook
     or saved-tensors hook sees into the transform, so the forward is one phase of the root, and
     what its graph saved for the backward is the root's activations, claimed from the graph's
     nodes where backward starts: the 8 x 25 x 64 fp32 batch (51200 bytes), the ReLU's 8 x 25 x 256
-    output (204800) and the second layer's 8 x 25 x 5 output, which square saves (4000)."""
+    output (204800) and the second layer's 8 x 25 x 5 output, which square saves (4000).
+    ``outside``, a PINN's habit: the model also runs outside the transform (a boundary loss),
+    whose ReLU output (4 x 256 fp32, 4096) and output that square saves (80) are activations too."""
     from torch.func import functional_call, vmap
 
     torch.manual_seed(0)
@@ -760,37 +763,21 @@ def test_a_forward_inside_torch_func_transforms_is_one_phase_with_its_graph_save
 
     with memprof.track(net) as prof:
         for _ in range(2):
-            vmap(task_loss)(torch.randn(8, 25, 64)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    timeline = prof.report().timeline
-    forward = timeline[(timeline["step"] == 1) & (timeline["phase"] == "forward Sequential")]
-    assert forward["activations"].tolist() == [51200 + 204800 + 4000]
-    assert "backward" in timeline[timeline["step"] == 1]["phase"].tolist()
-
-
-def test_a_model_run_inside_and_outside_torch_func_claims_both_graphs():
-    """A PINN's habit: the residual's forward inside vmap, a boundary loss's outside it. The
-    transformed forward's saves (51200 + 204800 + 4000 bytes, as above) are activations beside
-    the plain forward's ReLU output (4 x 256 fp32, 4096) and its output that square saves (80)."""
-    from torch.func import functional_call, vmap
-
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 5))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-
-    def task_loss(x):
-        return functional_call(net, dict(net.named_parameters()), (x,)).square().sum()
-
-    with memprof.track(net) as prof:
-        for _ in range(2):
-            (vmap(task_loss)(torch.randn(8, 25, 64)).sum() + net(torch.randn(4, 64)).square().sum()).backward()
+            loss = vmap(task_loss)(torch.randn(8, 25, 64)).sum()
+            if outside:
+                loss = loss + net(torch.randn(4, 64)).square().sum()
+            loss.backward()
             opt.step()
             opt.zero_grad()
     timeline = prof.report().timeline
     step = timeline[timeline["step"] == 1]
-    assert step["activations"].max() == 51200 + 204800 + 4000 + 4096 + 80
-    assert step["temporaries"].max() == 0
+    if outside:
+        assert step["activations"].max() == 51200 + 204800 + 4000 + 4096 + 80
+        assert step["temporaries"].max() == 0
+        return
+    forward = step[step["phase"] == "forward Sequential"]
+    assert forward["activations"].tolist() == [51200 + 204800 + 4000]
+    assert "backward" in step["phase"].tolist()
 
 
 def test_a_sparse_input_counts_its_indices_too():
