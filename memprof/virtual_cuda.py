@@ -954,18 +954,23 @@ class VirtualCUDA:
     def _ddp(self) -> dict[str, Callable]:
         """DDP on the fake process group: its buckets are made and filled as on a GPU, and
         PyTorch's ``noop_hook`` stands for the all-reduce (the fake group's work carries
-        no result for DDP's default hook to read); hooks the script registers are left out."""
+        no result for DDP's default hook to read); a hook the script registers (Python) runs in its
+        place, C++'s built-in ones are left out."""
         from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         init, register = DDP.__init__, DDP.register_comm_hook
+        # Each DDP's hook and its state: DDP takes one registration, made here, which calls the script's.
+        hooks: weakref.WeakKeyDictionary[DDP, tuple[Any, Callable]] = weakref.WeakKeyDictionary()
 
         def __init__(ddp: DDP, *args: Any, **kwargs: Any) -> None:
             init(ddp, *args, **kwargs)
-            hooks = ddp.__dict__.setdefault("_memprof_comm_hook", [None, noop_hook])  # the script's, once it registers
+            hooks[ddp] = (None, noop_hook)
+            model = weakref.ref(ddp)
 
             def dispatch(state, bucket):  # (unannotated: DDP checks a hook's annotations)
-                return hooks[1](hooks[0], bucket)
+                hook_state, hook = hooks[model()]
+                return hook(hook_state, bucket)
 
             register(ddp, None, dispatch)
 
@@ -985,7 +990,7 @@ class VirtualCUDA:
                 with _replace(torch.distributed, "all_reduce", _completed_all_reduce(torch.distributed.all_reduce)):
                     return hook(hook_state, bucket)
 
-            ddp.__dict__["_memprof_comm_hook"][:] = [state, simulated]
+            hooks[ddp] = (state, simulated)
 
         return {"__init__": __init__, "register_comm_hook": register_comm_hook,
                 "_register_builtin_comm_hook": lambda ddp, comm_hook_type: left_out(comm_hook_type)}
