@@ -259,9 +259,7 @@ class _Mode(TorchFunctionMode):
                 # Simulated GPU tensors inside the data (torch.tensor([meter.sum, meter.count], device="cuda"),
                 # pytorch/examples' ImageNet): C++ reads each one's value with item(), below any mode, as a
                 # GPU would after a copy to the host: their host copies, with the values followed.
-                data = _host_data(self.vc, args[0])
-                if data is not args[0]:
-                    args = (data, *args[1:])
+                args = (tree_map(lambda t: _host_copy(self.vc, t) if _on_meta(t) else t, args[0]), *args[1:])
             # No device given: the default one, which PyTorch's DeviceContext (below this mode) adds.
             device = kwargs.get("device") or _device_arg(torch.get_default_device())
             if device == _META:
@@ -546,18 +544,6 @@ def _from_data(func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
     kwargs = {**kwargs, "device": "cpu"}
     requires_grad = kwargs.pop("requires_grad", False)
     return _to_meta(func(*args, **kwargs)).requires_grad_(requires_grad)
-
-
-def _host_data(vc: "VirtualCUDA", data: Any) -> Any:
-    """``data`` (nested lists and tuples) with its simulated GPU tensors as their host copies; ``data``
-    itself where it holds none."""
-    if _on_meta(data):
-        return _host_copy(vc, data)
-    if isinstance(data, (list, tuple)):
-        items = [_host_data(vc, d) for d in data]
-        if any(a is not b for a, b in zip(items, data)):
-            return type(data)(items) if isinstance(data, list) else tuple(items)
-    return data
 
 
 def _on_meta(t: Any) -> bool:
