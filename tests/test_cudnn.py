@@ -135,6 +135,9 @@ def _simulated_peaks(rows: list[dict]) -> list[int]:
     ("dcgan-specnorm", "convolution_backward", [128, 1024, 8, 8], [2048, 1024, 4, 4], "float32", 352_321_683),
     # latent diffusion's UNet under fp16 autocast, backward: each call's workspace 114.58 MiB
     ("latent-diffusion", "convolution_backward", [16, 672, 64, 64], [224, 672, 3, 3], "float16", 210_939_920),
+    # ResNet's fp32 stem, 7 x 7 over 3 channels (not a multiple of 4): output 196 MiB + workspace
+    # 232.79 MiB, its input, weight and output transposed unpadded
+    ("grid", "convolution", [64, 3, 224, 224], [64, 3, 7, 7], "float32", 449_614_608),
 ])
 def test_a_contiguous_convolution_takes_cudnns_transposition_workspace(entry, op, x_shape, w_shape, dtype,
                                                                        measured_peak):
