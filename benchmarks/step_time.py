@@ -88,7 +88,7 @@ def measure(which: str, out: Path, only: list[str] | None = None) -> None:
 def trace(model: str, size: tuple, plan: str, gpu, synchronous_pack: bool) -> np.ndarray:
     """The simulated step of ``plan`` on ``model``, operator by operator: the
     rows of ``SimulatedAllocator.trace`` (flops, bytes, precision or -1 without
-    a kernel, -2 for a transfer, -3 for one the host waits for; is a
+    a kernel, -2 for a transfer, -3 for one the host waits for, -4 for a saved-tensors hook call; is a
     convolution; runs in backward; is recomputed; operators the host issues);
     the third step of a fresh build, every micro-batch run. Activation
     offload's pack waits for its copy as the measured torch's did
@@ -126,7 +126,8 @@ PARAMS = tuple(f.name for f in fields(TimeModel))
 
 def step_seconds(tr: np.ndarray, gpu, fe: float, te: float, f32e: float, mfe: float, ce: float, ae: float,
                  be: float, sbe: float, nbe: float, per_kernel: float, host_forward: float, host_backward: float,
-                 host_convolution: float, host_recompute: float, link: float, extra_host: float = 0.0) -> float:
+                 host_convolution: float, host_recompute: float, link: float, host_hook: float,
+                 extra_host: float = 0.0) -> float:
     """TimeModel on a trace, vectorised. The host issues row j at the sum of
     the issue costs up to it; the device runs each kernel (or transfer) once
     issued and the previous one is done, so between two synchronisations (a
@@ -141,14 +142,14 @@ def step_seconds(tr: np.ndarray, gpu, fe: float, te: float, f32e: float, mfe: fl
     conv, bwd, rec, ops, kinds = tr[:, 3] > 0, tr[:, 4] > 0, tr[:, 5] > 0, tr[:, 6], tr[:, 7]
     # TimeModel.host_seconds, times the operators each row stands for.
     phase = np.where(conv, host_convolution, np.where(bwd & ~rec, host_backward, host_forward))
-    host = ops * (phase + np.where(rec, host_recompute, 0.0))
+    host = np.where(kind == -4, host_hook, ops * (phase + np.where(rec, host_recompute, 0.0)))  # -4: a hook call
     rates = np.array([gpu.fp32_tflops, gpu.tf32_tflops or gpu.bf16_tflops / 2, gpu.bf16_tflops]) * 1e12
     precision = np.clip(kind, 0, 2).astype(int)
     misaligned = (kinds == MISALIGNED) & (precision > 0)  # on tensor cores: of the 16-bit rate (TimeModel.seconds)
     shares = np.select([kinds == CONVOLUTION, kinds == ATTENTION, misaligned, precision == 0, precision == 1],
                        [ce, ae, mfe, f32e, te], fe)
     rates = np.where(misaligned, rates[2], rates[precision]) * shares
-    kernel, transfer = kind >= 0, kind <= -2
+    kernel, transfer = kind >= 0, (kind == -2) | (kind == -3)
     bandwidth = gpu.memory_bandwidth * np.select([kinds == STREAMING, kinds == NATIVE_BATCH_NORM], [sbe, nbe], be)
     roof = np.maximum(flops / rates, nbytes / bandwidth) + per_kernel
     dev = np.where(kernel, roof, np.where(transfer, nbytes / (gpu.pcie_bandwidth * link), 0.0))

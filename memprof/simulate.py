@@ -74,9 +74,10 @@ class TimeModel:
     autograd's engine does (C++, no Python in between), ``host_convolution``
     for a convolution (cuDNN picks and builds a plan per call). Activation
     checkpointing's recomputation runs the forward's Python code again inside
-    the engine, with the checkpoint's saved-tensor hooks (Python, per saved
-    tensor) around it: a recomputed operator costs ``host_forward`` plus
-    ``host_recompute``. The device runs each kernel once it is issued and the
+    the engine: a recomputed operator costs ``host_forward`` plus
+    ``host_recompute``. A script's saved-tensors hooks run Python per saved
+    tensor (checkpointing's pack in forward, its pack again in the
+    recomputation, its unpack): ``host_hook`` a call. The device runs each kernel once it is issued and the
     previous kernel is done: its roofline, the larger of its arithmetic at the
     dtype's rate and its bytes (inputs read once, outputs written once) at
     memory bandwidth, each at the share of the datasheet its kind of kernel
@@ -96,13 +97,11 @@ class TimeModel:
     the tensor-core rate, one with a dimension that is not a multiple of
     16 bytes 0.14 of it. The host's constants, ``per_kernel`` and the link's
     share are fitted to 114 steps of 5 workloads measured on an H200 over
-    two days (median |error| 3.6 %) and checked on 100 steps of 5 other
-    workloads they never saw (6.0 %, 7.8 % with one share for every kind):
+    two days (median |error| 2.9 %) and checked on 100 steps of 5 other
+    workloads they never saw (6.0 %, 82 within 15 %):
     benchmarks/results/step-time.md. The worst errors
     (50-65 %) are host-bound steps, whose measurement itself moves by up to
-    2x between days, and whose cost per operator differs by model (a Llama's
-    recomputation costs less per operator than GPT-2's), which one constant
-    per phase cannot follow. Copies reach ``link_efficiency`` of
+    2x between days. Copies reach ``link_efficiency`` of
     the link's nominal rate."""
 
     #: Shares of the datasheet a kernel reaches, by kind (:func:`_kernel_kind`):
@@ -124,14 +123,19 @@ class TimeModel:
     bandwidth_efficiency: float = 0.429
     streaming_bandwidth_efficiency: float = 0.730
     native_batch_norm_bandwidth_efficiency: float = 0.103
-    per_kernel: float = 10.6e-6
+    per_kernel: float = 9.9e-6
     host_forward: float = 14.0e-6
     host_backward: float = 23.2e-6
-    host_convolution: float = 126e-6
-    host_recompute: float = 36.7e-6
+    host_convolution: float = 94e-6
+    host_recompute: float = 9.4e-6
     #: The share of the link's nominal rate a copy between the device and
     #: pinned host memory reaches (PCIe's packet and protocol overhead).
     link_efficiency: float = 0.82
+    #: A call of a script's saved-tensors hook (Python, per saved tensor):
+    #: activation checkpointing's pack in forward, its pack in the
+    #: recomputation and its unpack (torch.utils.checkpoint's
+    #: ``_checkpoint_hook`` and ``_recomputation_hook``), a compressing hook's.
+    host_hook: float = 13.9e-6
 
     def host_seconds(self, convolution: bool, backward: bool, recompute: bool = False) -> float:
         """The host's time to issue one operator: ``backward`` when autograd's
@@ -216,7 +220,7 @@ class SimulatedAllocator(TorchDispatchMode):
         self.kernels = 0
         #: When a list, every device operator's (flops, bytes, precision: 2 half, 1 tf32, 0 fp32,
         #: -1 for an operator that launches no kernel, -2 for a host-device transfer, -3 for one
-        #: the host waits for; is a convolution; runs in backward; is recomputed (grad mode on in
+        #: the host waits for, -4 for a script's saved-tensors hook; is a convolution; runs in backward; is recomputed (grad mode on in
         #: backward); the operators the host issues for it: 1, more for a transfer; the kernel's kind,
         #: :func:`_kernel_kind`) is appended.
         self.trace: list[tuple[int, int, int, bool, bool, bool, int, int]] | None = None
@@ -306,6 +310,16 @@ class SimulatedAllocator(TorchDispatchMode):
             self.events.append(("t", seconds, host, synchronize))
         if self.trace is not None:
             self.trace.append((0, nbytes, -3 if synchronize else -2, False, backward, recompute, host_ops, 0))
+
+    def hook_call(self) -> None:
+        """The host runs a script's saved-tensors hook (Python): ``TimeModel.host_hook``, no kernel."""
+        host = self.time_model.host_hook
+        self.host += host
+        if self.events is not None:
+            self.events.append(("o", host))
+        if self.trace is not None:
+            backward = torch._C._current_graph_task_id() != -1
+            self.trace.append((0, 0, -4, False, backward, backward and torch.is_grad_enabled(), 1, 0))
 
     def synchronize(self, nbytes: int = 0) -> None:
         """The host waits for the device: a value read back (``.item()``, ``bool()``, ``.cpu()``:

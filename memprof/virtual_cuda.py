@@ -340,13 +340,18 @@ class _Mode(TorchFunctionMode):
 
 
 def _in_mode(mode: _Mode, hook: Callable) -> Callable:
-    """A saved-tensors ``hook`` that runs with ``mode`` on; memprof's own (marked ``memprof_own``)
-    as they are: they make no tensors the device would not see."""
+    """A saved-tensors ``hook`` that runs with ``mode`` on, each call charged to the simulated host
+    (``SimulatedAllocator.hook_call``); memprof's own (marked ``memprof_own``) as they are: they make
+    no tensors the device would not see, and cost a GPU's host nothing."""
     if getattr(hook, "memprof_own", False):
         return hook
 
+    allocator = mode.vc.allocator
+
     @functools.wraps(hook)
     def in_mode(x: Any) -> Any:
+        if allocator is not None:  # the host's time to run it, as on a GPU
+            allocator.hook_call()
         if mode in _function_modes():
             return hook(x)
         with mode:

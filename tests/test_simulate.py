@@ -633,6 +633,41 @@ def test_activation_checkpointing_recomputes_under_the_virtual_device():
     assert calls == ["cuda"] * 4  # forward and recomputation, twice, on the simulated GPU
 
 
+def test_a_scripts_saved_tensor_hooks_cost_the_host_each_call():
+    """Non-reentrant checkpointing runs Python per saved tensor: its pack hook in
+    forward, its recomputation's pack hook and its unpack hook in backward. Each
+    call costs the simulated host ``TimeModel.host_hook`` and launches nothing."""
+    from torch.utils.checkpoint import checkpoint
+
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator, TimeModel
+
+    def block():
+        return nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+
+    saved = []  # what the block saves, counted by PyTorch on the host: addmm its input (x needs no
+    # gradient, so not the weight), gelu its input, addmm its input and weight
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        block()(torch.randn(8, 256)).sum()
+    assert len(saved) == 4
+
+    def host_seconds(host_hook: float) -> tuple[float, list]:
+        gpu = get_gpu("h100")
+        alloc = SimulatedAllocator(gpu, time_model=TimeModel(host_hook=host_hook))
+        with VirtualCUDA(gpu, allocator=alloc):
+            m, x = block().cuda(), torch.randn(8, 256, device="cuda")
+            alloc.trace, start = [], alloc.host
+            checkpoint(m, x, use_reentrant=False).sum().backward()
+            return alloc.host - start, alloc.trace
+
+    with_hooks, trace = host_seconds(1e-3)
+    without, _ = host_seconds(0.0)
+    hooks = [row for row in trace if row[2] == -4]
+    assert len(hooks) == 3 * len(saved)
+    assert [row[4] for row in hooks] == [False] * 4 + [True] * 8  # forward's packs, then backward's calls
+    assert with_hooks - without == pytest.approx(12e-3)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         memprof.simulate(mlp_setup(), steps=0)
