@@ -451,6 +451,15 @@ class _Observer:
                      "tracked as the optimizer's own parameters (an input it optimizes)",
                      type(opt).__name__, len(wanted), type(_uncompiled(model)).__name__)
             return model
+        if best is None and (skeleton := _skeleton(self._outermost)) is not None:
+            # A model run functionally over the optimizer's tensors (the torch.func ensembles of
+            # PyTorch's "Model ensembling" tutorial: functional_call of a base model moved to 'meta'
+            # over stack_module_state's stacked copies): the module called, whose parameters hold
+            # nothing, with the tensors the optimizer steps as its own.
+            log.info("%s steps %d tensors that no module holds, through %s, whose parameters are on 'meta' "
+                     "(torch.func.functional_call): tracked as the optimizer's own parameters",
+                     type(opt).__name__, len(wanted), type(_uncompiled(skeleton)).__name__)
+            return skeleton
         if best is None and quiet:
             return None
         if best is None and self._outermost:
@@ -486,6 +495,14 @@ class _Observer:
                          "its master copy", type(opt).__name__, len(wanted), type(module).__name__)
                 return module
         return None
+
+
+def _skeleton(called: dict) -> nn.Module | None:
+    """The module called last of those whose parameters are all on the 'meta' device (as the
+    script sees them: no memory, a base model for torch.func.functional_call), or None."""
+    skeletons = [(seq, m) for m, seq in list(called.items())
+                 if (params := list(m.parameters())) and all(p.device.type == "meta" for p in params)]
+    return max(skeletons, key=lambda item: item[0])[1] if skeletons else None
 
 
 def _not_moved(model: nn.Module) -> str:

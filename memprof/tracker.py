@@ -309,7 +309,7 @@ class Tracker:
         # no forward of its own (nn.ModuleDict of a GAN's generator and discriminator).
         roots = list(model.children()) if not own_forward(model) else [model]
         self._roots = [weakref.ref(m) for m in roots or [model]]
-        self.device = self._resolve_device(model, device)
+        self.device = self._resolve_device(model, device, [o for o in optimizers if o is not None])
         self._simulated = self.device.type == "meta"
         # The script's own meta tensors (a model built on meta and not yet materialised): not the GPU's.
         self._script_meta = getattr(_virtual_device(), "meta_tensors", None) if self._simulated else None
@@ -1997,9 +1997,14 @@ class Tracker:
             _active = None
 
     @staticmethod
-    def _resolve_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    def _resolve_device(model: nn.Module, device: torch.device | str | None,
+                        optimizers: list[torch.optim.Optimizer]) -> torch.device:
         if device is None:
             p = next(iter(model.parameters()), None)
+            if p is None or p.is_meta:
+                # A model without memory of its own: a base model on 'meta' run functionally over the
+                # optimizer's tensors (torch.func.functional_call, stack_module_state's ensembles).
+                p = next((q for o in optimizers for g in o.param_groups for q in g["params"]), p)
             # A sharded parameter (DTensor) computes on its mesh's device, also
             # when FSDP keeps its shard on the host (CPU offload).
             mesh = getattr(p, "device_mesh", None)

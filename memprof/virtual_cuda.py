@@ -148,6 +148,8 @@ class MetaTensors:
         if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
             names, _ = t.__tensor_flatten__()  # a wrapper (a DTensor): its local tensor's
             return bool(names) and self.holds(getattr(t, names[0]))
+        while torch._C._functorch.is_functorch_wrapped_tensor(t):  # vmap's and grad's levels hold no storage
+            t = torch._C._functorch.get_unwrapped(t)
         return weakref.ref(t.untyped_storage()) in self._storages
 
     @contextlib.contextmanager
@@ -231,6 +233,12 @@ class _Mode(TorchFunctionMode):
                 _asks_meta(kwargs["device"]) if kwargs.get("device") is not None else
                 True if func in _device_constructors() and self.vc.meta_block() else None)
             if asked is not None:
+                if (asked and name == "to" and args and isinstance(args[0], torch.Tensor) and args[0].is_meta
+                        and not own.holds(args[0])):
+                    # The simulated GPU's tensor moved to 'meta' (a base model for torch.func's
+                    # functional_call): a new tensor on a GPU, which holds no memory; to() of a meta
+                    # tensor to meta would return it as it is, the device's memory still held.
+                    kwargs = {**kwargs, "copy": True}
                 with own.placing(asked):
                     return self._function(func, args, kwargs)
         return self._function(func, args, kwargs)

@@ -428,30 +428,38 @@ def test_an_lbfgs_closure_is_not_a_loop_without_an_optimizer(tmp_path, caplog, c
     assert state["old_dirs"] == state["old_stps"] and state["old_dirs"] % flat == 0 and state["old_dirs"] >= 4 * flat
 
 
-def test_an_ensemble_trained_functionally_is_named_for_what_it_is(tmp_path, clean):
+@pytest.mark.parametrize("target", [None, "h200"])
+def test_an_ensemble_trained_functionally_is_tracked(tmp_path, target, clean):
     """PyTorch's model-ensembling recipe, trained: stack_module_state's stacked copies stepped by
     Adam, the model run by vmap over functional_call of a meta copy. No module holds what the
-    optimizer steps; memprof said to call model(x), not model.forward(x), which the script does."""
-    script = write(tmp_path, """
+    optimizer steps: the copy on 'meta' is tracked with the stacked tensors as its parameters, on
+    the host and on the simulated GPU (where .to("meta") of the GPU's copy must free it, and
+    vmap's batched tensors be seen through to their storage)."""
+    script = write(tmp_path, f"""
         import copy
         import torch
         from torch import nn
         from torch.func import functional_call, stack_module_state, vmap
-        models = [nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)) for _ in range(4)]
+        device = "{'cuda' if target else 'cpu'}"
+        models = [nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).to(device) for _ in range(4)]
         params, buffers = stack_module_state(models)
         base = copy.deepcopy(models[0]).to("meta")
+        assert not base[0].weight.is_cuda
         opt = torch.optim.Adam(params.values(), lr=1e-3)
         def one(p, b, x):
             return functional_call(base, (p, b), (x,))
         for i in range(5):
-            out = vmap(one, in_dims=(0, 0, None))(params, buffers, torch.randn(32, 64))
+            out = vmap(one, in_dims=(0, 0, None))(params, buffers, torch.randn(32, 64, device=device))
             out.square().mean().backward()
             opt.step()
             opt.zero_grad()
     """)
-    with pytest.raises(ScriptError, match=r"Adam.step\(\) ran over 4 tensors that are no parameters of the modules "
-                                          r"the script called \(Sequential\): .* stack_module_state"):
-        observe_script(script, steps=2)
+    report = observe_script(script, steps=2, target=target)
+    numels = [4 * 64 * 64, 4 * 64, 4 * 64 * 8, 4 * 8]
+    # On the GPU each tensor in its own 512-byte-rounded block.
+    expected = sum(-(-4 * n // 512) * 512 for n in numels) if target else 4 * sum(numels)
+    assert report.peak.bytes["parameters"] == expected
+    assert report.optimizer_state["exp_avg"] == report.optimizer_state["exp_avg_sq"] == expected
 
 
 def test_a_compiled_model_and_optimizer_step(tmp_path, caplog, clean):

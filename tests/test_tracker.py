@@ -1638,3 +1638,29 @@ def test_forwards_in_eval_mode_with_gradients_are_evaluations_where_no_backward_
                 model.eval()
                 [model(xb) for xb in x.split(8)]
     assert evaluated == [False, False, False, False, True, False]
+
+
+def test_a_functional_ensemble_is_tracked_where_its_optimizers_tensors_are():
+    """PyTorch's "Model ensembling" tutorial: the members' parameters stacked (stack_module_state),
+    a base model moved to 'meta', torch.func.functional_call under vmap. The model given holds no
+    memory; the tensors the optimizer steps are its parameters, on the optimizer's device (the
+    tracker looked at the base model's and watched 'meta', where nothing is allocated)."""
+    from torch.func import functional_call, stack_module_state
+
+    members = [nn.Linear(512, 512) for _ in range(4)]
+    params, buffers = stack_module_state(members)  # 4 x (512 x 512 + 512) fp32
+    base = nn.Linear(512, 512).to("meta")
+    opt = torch.optim.SGD(params.values(), lr=0.1)
+
+    def member(p, b, x):
+        return functional_call(base, (p, b), (x,))
+
+    x = torch.randn(8, 512)
+    with memprof.track(base, opt) as prof:
+        for _ in range(5):
+            torch.vmap(member, in_dims=(0, 0, None))(params, buffers, x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    r = prof.report()
+    assert prof.device == torch.device("cpu")
+    assert r.peak.bytes["parameters"] == 4 * MiB + 4 * 512 * 4
