@@ -312,6 +312,10 @@ class _Mode(TorchFunctionMode):
             return _dropout(*args, **kwargs)
         if name == "rms_norm" and args and _on_meta(args[0]):
             return _rms_norm(*args, **kwargs)
+        if name in _FUSED_CELLS and args and _on_meta(args[0]):
+            # Cast first, as autocast does (lstm_cell and gru_cell are on its lower-precision list).
+            args, kwargs = self.autocast(name, args, kwargs) or (args, kwargs)
+            return _FUSED_CELLS[name](*args, **kwargs)
         if name == "cross_entropy_loss" and torch.is_autocast_enabled("cuda"):
             with self:  # composed from torch functions, which meet the policy
                 return cross_entropy_loss(*args, **kwargs)
@@ -387,6 +391,46 @@ def _dropout(input: torch.Tensor, p: float = 0.5, train: bool = True) -> torch.T
     if train and 0 < p < 1 and input.numel() > 0:  # is_fused_kernel_acceptable
         return torch.native_dropout(input, p, train)[0]
     return torch.dropout(input, p, train)
+
+
+def _lstm_cell(input: torch.Tensor, hx: Any, w_ih: torch.Tensor, w_hh: torch.Tensor,
+               b_ih: torch.Tensor | None = None, b_hh: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.lstm_cell`` (nn.LSTMCell) as on CUDA (RNN.cpp, ``LSTMCell`` where ``input.is_cuda()``):
+    the two gates' products, then one fused kernel, which keeps both products, the cell state and a
+    workspace of four gates for backward. The composite other devices run keeps its gates instead,
+    about half as much (a Tacotron decoder's cells measured 2x the composite's activations)."""
+    h, c = hx
+    hy, cy, _ = torch.ops.aten._thnn_fused_lstm_cell(input.matmul(w_ih.t()), h.matmul(w_hh.t()), c, b_ih, b_hh)
+    return hy, cy
+
+
+def _gru_cell(input: torch.Tensor, hx: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor,
+              b_ih: torch.Tensor | None = None, b_hh: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.gru_cell`` (nn.GRUCell) as on CUDA (RNN.cpp, ``GRUCell``): the two products, then
+    ``_thnn_fused_gru_cell``, which keeps them, the hidden state and a workspace of five gates."""
+    return torch.ops.aten._thnn_fused_gru_cell(input.matmul(w_ih.t()), hx.matmul(w_hh.t()), hx, b_ih, b_hh)[0]
+
+
+#: The recurrent cells whose CUDA path is a fused kernel: their functions as CUDA runs them.
+_FUSED_CELLS: dict[str, Callable] = {"lstm_cell": _lstm_cell, "gru_cell": _gru_cell}
+#: RNN.cu's GRU_WORKSPACE_MULTIPLIER: the fused GRU cell's workspace holds five gates per hidden unit.
+_GRU_WORKSPACE = 5
+
+
+def _fused_gru_cell(input_gates: torch.Tensor, hidden_gates: torch.Tensor, hx: torch.Tensor,
+                    input_bias: torch.Tensor | None = None, hidden_bias: torch.Tensor | None = None) -> tuple:
+    """The meta kernel PyTorch lacks for ``_thnn_fused_gru_cell``: its outputs as RNN.cu makes them
+    (the new hidden state like ``hx``, the workspace in the gates' dtype)."""
+    return torch.empty_like(hx), input_gates.new_empty((hx.shape[0], hx.shape[1] * _GRU_WORKSPACE))
+
+
+def _fused_gru_cell_backward(grad_hy: torch.Tensor, workspace: torch.Tensor, has_bias: bool) -> tuple:
+    """And for its backward: the two gates' gradients, the hidden state's, the biases' (their sums)."""
+    gates = workspace.new_empty((workspace.shape[0], workspace.shape[1] // _GRU_WORKSPACE * 3))
+    grad_hx = torch.empty_like(grad_hy)
+    if not has_bias:
+        return gates, torch.empty_like(gates), grad_hx, None, None
+    return gates, torch.empty_like(gates), grad_hx, gates.new_empty(gates.shape[1]), gates.new_empty(gates.shape[1])
 
 
 def _padded_rows(create: Callable) -> Callable:
@@ -832,6 +876,12 @@ class VirtualCUDA:
                 # Nested tensors' to_padded_tensor backward runs it inside their own dispatch, below memprof's modes.
                 library = torch.library.Library("aten", "IMPL", "Meta")
                 library.impl("_padded_dense_to_jagged_forward", _padded_dense_to_jagged)
+                stack.callback(library._destroy)
+            if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_thnn_fused_gru_cell", "Meta"):
+                # nn.GRUCell's CUDA kernel (_gru_cell), which has no meta kernel.
+                library = torch.library.Library("aten", "IMPL", "Meta")
+                library.impl("_thnn_fused_gru_cell", _fused_gru_cell)
+                library.impl("_thnn_fused_gru_cell_backward", _fused_gru_cell_backward)
                 stack.callback(library._destroy)
             meta = importlib.import_module("torch._meta_registrations")
             if hasattr(meta, "_create_grouped_mm_output_tensor"):
