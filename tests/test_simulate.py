@@ -13,6 +13,7 @@ from memprof.autocast_policy import AutocastPolicy
 from memprof.allocator import cublas_workspace_bytes
 from memprof.sdpa import Environment, select_backend
 from memprof.virtual_cuda import VirtualCUDA
+from conftest import cuda
 from models import MiB, mlp, train
 
 H100 = memprof.get_gpu("h100")
@@ -1390,26 +1391,28 @@ def test_graphed_callables_keep_their_static_tensors():
     assert kept - workspaces == 3 * 4096 + 262144 + 1024
 
 
+@pytest.mark.parametrize("where", ["simulated", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("cell, kept_gates", [(nn.LSTMCell, 4 + 4 + 4 + 1 + 1), (nn.GRUCell, 3 + 3 + 5 + 1)])
-def test_recurrent_cells_keep_what_cudas_fused_kernels_keep(cell, kept_gates):
+def test_recurrent_cells_keep_what_cudas_fused_kernels_keep(cell, kept_gates, where):
     """On CUDA nn.LSTMCell and nn.GRUCell run two products and one fused kernel (RNN.cpp, where
     ``input.is_cuda()``), which keeps both products and a workspace (four gates for an LSTM, five
     for a GRU) besides the new states; PyTorch's composite, which meta tensors took, keeps its
     activated gates instead. In units of one hidden state (64 x 1024 fp32, 256 KiB): an LSTM
     keeps 4 + 4 + 4 and its two new states, a GRU 3 + 3 + 5 and its new state. Under bf16 autocast
-    the same at two bytes, and the casts besides."""
+    the same at two bytes, and the casts besides. The same bytes on the simulated GPU and on a GPU."""
     from memprof.devices import get_gpu
     from memprof.simulate import SimulatedAllocator
 
     gpu = get_gpu("h200")
     hidden = 64 * 1024 * 4
     for dtype in (torch.float32, torch.bfloat16):
-        with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)):
+        with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)) if where == "simulated" else contextlib.nullcontext():
             layer = cell(256, 1024).cuda()
             x = torch.randn(64, 256, device="cuda", requires_grad=True)
             state = torch.zeros(64, 1024, device="cuda")
             hx = (state, state) if cell is nn.LSTMCell else state
-            torch.zeros(1, 1, device="cuda") @ torch.zeros(1, 1, device="cuda")  # cuBLAS's workspace, there before
+            for d in (torch.float32, torch.bfloat16):  # cuBLAS's workspaces, there before
+                torch.zeros(1, 1, device="cuda", dtype=d) @ torch.zeros(1, 1, device="cuda", dtype=d)
             base = torch.cuda.memory_allocated()
             with torch.autocast("cuda", torch.bfloat16, enabled=dtype is torch.bfloat16):
                 out = layer(x, hx)
@@ -1420,3 +1423,4 @@ def test_recurrent_cells_keep_what_cudas_fused_kernels_keep(cell, kept_gates):
                 assert torch.cuda.memory_allocated() - base == expected, dtype
             (out[0] if cell is nn.LSTMCell else out).float().sum().backward()
             assert layer.weight_hh.grad.shape == (4 * 1024 if cell is nn.LSTMCell else 3 * 1024, 1024)
+            del layer, x, state, hx, out  # on a GPU they would be freed during the next round's measurement
