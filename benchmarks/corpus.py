@@ -209,6 +209,17 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "deprecated-sdp-kernel": (".", "deprecated_sdp_kernel.py", ["--steps", "10"], ()),
     "loss-history-leak": (".", "loss_history_leak.py", ["--steps", "10"], ()),
     "sac-policy-ckpt": (".", "sac_policy_ckpt.py", ["--steps", "10"], ()),
+    "func-ensemble": (".", "func_ensemble.py", ["--steps", "10"], ()),
+    "vmap-ensemble": (".", "vmap_ensemble.py", ["--steps", "10"], ()),
+    "dit-diffusion": (".", "dit_diffusion.py", ["--steps", "10"], ()),
+    "multiscale-detector": (".", "multiscale_detector_cnn.py", ["--steps", "10"], ()),
+    "layerdrop-transformer": (".", "layerdrop_transformer.py", ["--steps", "10"], ()),
+    "fp16-master-weights": (".", "fp16_master_weights.py", ["--steps", "10"], ()),
+    "tacotron-decoder": (".", "tacotron_decoder.py", ["--steps", "10"], ()),
+    "sliding-window-attention": (".", "sliding_window_attention.py", ["--steps", "10"], ()),
+    "lion-foreach": (".", "lion_foreach.py", ["--steps", "10"], ()),
+    "spatial-transformer": (".", "spatial_transformer.py", ["--steps", "10"], ()),
+    "byol-ema": (".", "byol_ema.py", ["--steps", "10"], ()),
 }
 
 
