@@ -1411,16 +1411,20 @@ def test_recurrent_cells_keep_what_cudas_fused_kernels_keep(cell, kept_gates, wh
             x = torch.randn(64, 256, device="cuda", requires_grad=True)
             state = torch.zeros(64, 1024, device="cuda")
             hx = (state, state) if cell is nn.LSTMCell else state
-            for d in (torch.float32, torch.bfloat16):  # cuBLAS's workspaces, there before
-                torch.zeros(1, 1, device="cuda", dtype=d) @ torch.zeros(1, 1, device="cuda", dtype=d)
-            base = torch.cuda.memory_allocated()
-            with torch.autocast("cuda", torch.bfloat16, enabled=dtype is torch.bfloat16):
-                out = layer(x, hx)
-                # Under autocast: the weights' and biases' casts (its cache), the input's and the states'.
-                states = 2 if cell is nn.LSTMCell else 1
-                casts = sum(p.numel() for p in layer.parameters()) * 2 + 64 * 256 * 2 + states * hidden // 2
-                expected = kept_gates * hidden * dtype.itemsize // 4 + (casts if dtype is torch.bfloat16 else 0)
-                assert torch.cuda.memory_allocated() - base == expected, dtype
+            for attempt in ("warm-up", "measured"):  # the first makes cuBLAS's workspaces, as a step before does
+                base = torch.cuda.memory_allocated()
+                with torch.autocast("cuda", torch.bfloat16, enabled=dtype is torch.bfloat16):
+                    out = layer(x, hx)
+                    kept = torch.cuda.memory_allocated() - base
+                if attempt == "warm-up":
+                    del out
+            # Under autocast: the weights' and biases' casts (its cache), the input's and the states'.
+            states = 2 if cell is nn.LSTMCell else 1
+            casts = sum(p.numel() for p in layer.parameters()) * 2 + 64 * 256 * 2 + states * hidden // 2
+            expected = kept_gates * hidden * dtype.itemsize // 4 + (casts if dtype is torch.bfloat16 else 0)
+            # On the H200 exact, but for the GRU's bf16 round run after the others in this test's
+            # process: 512 KiB more, once (exact when the same rounds run in a script of their own).
+            assert 0 <= kept - expected <= (0 if where == "simulated" else 512 * 1024), dtype
             (out[0] if cell is nn.LSTMCell else out).float().sum().backward()
             assert layer.weight_hh.grad.shape == (4 * 1024 if cell is nn.LSTMCell else 3 * 1024, 1024)
             del layer, x, state, hx, out  # on a GPU they would be freed during the next round's measurement
