@@ -220,8 +220,8 @@ class SimulatedAllocator(TorchDispatchMode):
         self.kernels = 0
         #: When a list, every device operator's (flops, bytes, precision: 2 half, 1 tf32, 0 fp32,
         #: -1 for an operator that launches no kernel, -2 for a host-device transfer, -3 for one
-        #: the host waits for, -4 for a script's saved-tensors hook; is a convolution; runs in backward; is recomputed (grad mode on in
-        #: backward); the operators the host issues for it: 1, more for a transfer; the kernel's kind,
+        #: the host waits for, -4 for a script's saved-tensors hook; is a convolution; runs in
+        #: backward; is recomputed (grad mode on in backward); the operators the host issues for it: 1, more for a transfer; the kernel's kind,
         #: :func:`_kernel_kind`) is appended.
         self.trace: list[tuple[int, int, int, bool, bool, bool, int, int]] | None = None
         #: When a list, allocation and time events are appended: ``("m", handle,
