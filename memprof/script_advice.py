@@ -333,6 +333,8 @@ class _MicroBatchCut(TorchFunctionMode):
         self._whole = False
         #: Tensors (and length lists) cut so far: none in a step means its batch was not found.
         self.cuts = 0
+        # The per-sample lengths (host tensors) that trimmed a copy's padding, latest first.
+        self._trimmed_by: list[weakref.ref] = []
 
     def _cut(self, t: Any, device_only: bool = True, sizes: set[int] | None = None) -> Any:
         if (isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] in (sizes or self.sizes)
@@ -388,16 +390,15 @@ class _MicroBatchCut(TorchFunctionMode):
         beside = _lengths_beside(whole.shape[0])
         for d in range(1, part.dim()):
             n = part.shape[d]
-            lengths = next((t for t in beside if int(t.max()) == n and int(t.min()) < n), None)
+            found = [t for t in beside if int(t.max()) == n and int(t.min()) < n and _padded_by(whole, d, t)]
+            # Lengths that trimmed a tensor of the batch already first: the text's lengths may explain the
+            # stop-token targets' padding too where the frames' (which the mels need) are meant.
+            lengths = next((t for t in found if any(t is r() for r in self._trimmed_by)), found[0] if found else None)
             if lengths is None:
                 continue
             keep = int(lengths[: part.shape[0]].max())
-            if not 0 < keep < n:
-                continue
-            # Padding: one value where the part's samples end, which a longer sample outside it fills.
-            pad = part.narrow(d, keep, n - keep)
-            value = pad.reshape(-1)[0]
-            if bool((pad == value).all()) and not bool((whole.narrow(d, keep, n - keep) == value).all()):
+            if 0 < keep < n:  # beyond it the part holds padding alone, which a longer sample outside it needed
+                self._trimmed_by = [weakref.ref(lengths), *self._trimmed_by[:3]]
                 return part.narrow(d, 0, keep).contiguous()
         return part
 
@@ -486,6 +487,20 @@ def _lengths_beside(batch: int, frames: int = 6) -> list[torch.Tensor]:
                   and not t.is_floating_point() and not t.is_complex() and t.dtype is not torch.bool]
         frame = frame.f_back
     return found
+
+
+def _padded_by(whole: torch.Tensor, d: int, lengths: torch.Tensor) -> bool:
+    """Whether ``whole`` is padded after each sample's own length along ``d``: one value beyond every
+    sample's length, and another within some sample's (a tensor of one value is no padded batch). The
+    padding follows these lengths, not others of the same longest (Tacotron 2's text and frames), nor
+    a fixed length (audio cut to 6 s, padded to 9)."""
+    positions = torch.arange(whole.shape[d]).view([-1 if i == d else 1 for i in range(whole.dim())])
+    beyond = (positions >= lengths.view([-1] + [1] * (whole.dim() - 1))).expand_as(whole)
+    values = whole[beyond]
+    if not values.numel():
+        return False
+    value = values[0]
+    return bool((values == value).all()) and bool((whole[~beyond] != value).any())
 
 
 def _lengths(a: Any) -> bool:
@@ -684,19 +699,22 @@ def _coupling(named: dict[str, Any]) -> str:
 
 
 def tensor_shapes(named: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
-    """The tensors among ``named`` values: name -> (shape, short dtype). A list of tensors gives
-    each as ``name[i]`` (DINO's crops, each a batch of the views of one size), except a list of
+    """The tensors among ``named`` values: name -> (shape, short dtype). A list, tuple or dict gives
+    each tensor in it as ``name[i]`` (DINO's crops, each a batch of the views of one size), except a list of
     one image per sample, which a list of as many target dicts beside it tells (torchvision's
     detectors: ``model(images, targets)``): that is one batch, ``[len(images), *image.shape]``."""
     samples = {len(v) for v in named.values() if isinstance(v, (list, tuple)) and v
                and all(isinstance(x, dict) for x in v)}
     out = {}
     for k, v in named.items():
-        if isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v):
-            if len(v) in samples:
-                out[str(k)] = ([len(v), *_dims(v[0])], _dtype(v[0].dtype))
-            else:
-                out.update({f"{k}[{i}]": (_dims(t), _dtype(t.dtype)) for i, t in enumerate(v)})
+        if isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v) and len(v) in samples:
+            out[str(k)] = ([len(v), *_dims(v[0])], _dtype(v[0].dtype))
+        elif isinstance(v, (list, tuple, dict)):
+            # A container's tensors each (NVIDIA's Tacotron 2 takes one tuple of padded text, lengths, mels
+            # and an int; a model given the collated dict): its other items are no batch.
+            items = ((f"{k}[{i!r}]", t) for i, t in v.items()) if isinstance(v, dict) else (
+                (f"{k}[{i}]", t) for i, t in enumerate(v))
+            out.update({name: (_dims(t), _dtype(t.dtype)) for name, t in items if isinstance(t, torch.Tensor)})
         elif isinstance(v, torch.Tensor):
             out[str(k)] = (_dims(v), _dtype(v.dtype))
     return out

@@ -1496,6 +1496,55 @@ def test_the_batch_in_a_list_argument():
     images, targets = [torch.ones(3, 480, 640)] * 4, [{"boxes": torch.ones(5, 4)}] * 4
     shapes = tensor_shapes({"images": images, "targets": targets})
     assert shapes == {"images": ([4, 3, 480, 640], "fp32")} and ScriptFacts(batch=shapes).batch_size == 4
+    # NVIDIA's Tacotron 2: one tuple of the padded text, its lengths, the mels and the longest length (an int);
+    # a model given the collated dict.
+    inputs = (torch.ones(8, 40, dtype=torch.long), torch.ones(8, dtype=torch.long), torch.ones(8, 80, 40), 40)
+    assert tensor_shapes({"inputs": inputs}) == {"inputs[0]": ([8, 40], "int64"), "inputs[1]": ([8], "int64"),
+                                                 "inputs[2]": ([8, 80, 40], "fp32")}
+    assert tensor_shapes({"batch": {"ids": torch.ones(6, 9, dtype=torch.long), "n": 3}}) == {
+        "batch['ids']": ([6, 9], "int64")}
+
+
+def test_accumulation_of_a_model_given_one_tuple(tmp_path):
+    """Tacotron 2's habit: the model takes one tuple (with an int in it), the loss compares its output with
+    the same copied mels held apart as targets. The batch (8) was not found in the tuple, so nothing was
+    cut where it reached the device: the targets stayed whole against the micro-batch's output and every
+    accumulation plan failed (PyTorch's broadcast error). Now the copy is cut: the input of 8 x 256 x 256
+    fp32 (2 MiB), which is also the targets, runs as K micro-batches of 1/K each."""
+    from memprof.advisor import default_plans
+    from memprof.script_advice import advise_script
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(256, 256)
+
+            def forward(self, inputs):
+                mels, max_len = inputs
+                return self.fc(mels[:, :max_len])
+
+        model = Net().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(12):
+            mels = torch.randn(8, 256, 256).to("cuda", non_blocking=True)
+            x, y = (mels, 256), mels
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    plans = {k: v for k, v in default_plans().items() if k in ("baseline", "accum2", "accum4")}
+    advice = advise_script(str(script), budget="24GiB", target="h200", plans=plans, progress=False)
+    assert advice.failed == {} and advice.facts.batch_size == 8
+    saved = {k: advice.table.loc["baseline", "peak_allocated"] - advice.table.loc[f"accum{k}", "peak_allocated"]
+             for k in (2, 4)}
+    # at least the input's cut half (the output and its gradient shrink alike), more with more micro-batches
+    assert saved[2] >= MiB and saved[4] > saved[2]
 
 
 def test_a_later_micro_batch_carries_the_earlier_ones_sparse_rows():
@@ -2019,6 +2068,25 @@ def test_micro_batch_cut_leaves_out_padding_only_other_samples_needed():
         assert wavs.to("meta").shape == (4, 5)
         del wav_lens, lengths
         assert wavs.to("meta").shape == (4, 9)  # no lengths beside it: as the batch is
+
+
+def test_micro_batch_cut_takes_the_lengths_the_padding_follows():
+    """Tacotron 2's batch holds two lengths of one longest (the text's and the frames'): the
+    stop-token targets, 1 from each sample's last frame on, follow the frames'. Trimmed by the
+    text's (the first four's longest is the whole length) they stayed whole while the mels were
+    trimmed, and the loss compared 38 frames with 37."""
+    import torch
+
+    from memprof.script_advice import _MicroBatchCut
+
+    text_lens = torch.tensor([9, 2, 3, 4, 9, 9, 9, 9])
+    frame_lens = torch.tensor([3, 5, 2, 4, 9, 7, 8, 6])
+    gate = torch.zeros(8, 9)
+    for i, n in enumerate(frame_lens.tolist()):
+        gate[i, n - 1:] = 1
+    with _MicroBatchCut(2, batch=8):
+        assert gate.to("meta").shape == (4, 5)  # the first four's frames are at most 5 long
+    assert text_lens.max() == frame_lens.max()
 
 
 MAML = """
