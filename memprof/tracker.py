@@ -508,6 +508,7 @@ class Tracker:
             self._wrap_backward()
             self._wrap_checkpoint_inputs()
             self._wrap_sac_cache()
+            self._wrap_func_transforms()
             self._wrap_resize()
             self._counters.reset_peak()  # later steps begin where the last one's counters were read and reset
             self._begin_step()
@@ -1504,6 +1505,35 @@ class Tracker:
 
         cls.save_inputs = save_inputs
         self._patched.append((cls, "save_inputs", own))
+
+    def _wrap_func_transforms(self) -> None:
+        """Set the tracker's saved-tensors hooks aside while a torch.func transform runs inside the
+        model's forward (a contractive autoencoder's Jacobian penalty, ``vmap(jacrev(encode))``).
+        ``grad``, ``vjp``, ``jacrev`` and ``hessian`` refuse saved-tensors hooks: they enter
+        ``torch.autograd.graph.disable_saved_tensors_hooks``, which raises while any is on, so the
+        script failed under memprof alone. What the transform saves is then not a module's
+        activation (it counts as temporaries); hooks of the script's own still fail, as without
+        memprof."""
+        import torch.autograd.graph as graph
+
+        own = vars(graph)["disable_saved_tensors_hooks"]
+        tracker = weakref.ref(self)
+
+        @contextlib.contextmanager
+        def disable_saved_tensors_hooks(error_message: str) -> Any:
+            t = tracker()
+            hooks = t._saved_hooks if t is not None and t._hooks_innermost() else None
+            if hooks is not None:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            try:
+                with own(error_message):
+                    yield
+            finally:
+                if hooks is not None:
+                    torch._C._autograd._push_saved_tensors_default_hooks(hooks.pack_hook, hooks.unpack_hook)
+
+        graph.disable_saved_tensors_hooks = disable_saved_tensors_hooks
+        self._patched.append((graph, "disable_saved_tensors_hooks", own))
 
     def _wrap_sac_cache(self) -> None:
         """Count what selective activation checkpointing keeps for backward as activations.

@@ -1664,3 +1664,37 @@ def test_a_functional_ensemble_is_tracked_where_its_optimizers_tensors_are():
     r = prof.report()
     assert prof.device == torch.device("cpu")
     assert r.peak.bytes["parameters"] == 4 * MiB + 4 * 512 * 4
+
+
+def test_a_torch_func_transform_inside_the_forward_runs_under_tracking():
+    """A contractive autoencoder's Jacobian penalty: ``vmap(jacrev(encode))`` inside the model's
+    forward. torch.func's grad transforms refuse saved-tensors hooks ("don't yet support saved
+    tensor hooks"), and the tracker's were on for the forward: the script failed under memprof
+    alone. They are set aside while the transform runs; what the penalty keeps for backward
+    outside it, the Jacobian (8 x 256 x 512 fp32, 4 MiB), is an activation."""
+    from torch.func import functional_call, jacrev, vmap
+
+    class CAE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.dec = nn.Linear(512, 256), nn.Linear(256, 512)
+
+        def forward(self, x):
+            z = torch.sigmoid(self.enc(x))
+            encode = lambda p, xi: torch.sigmoid(functional_call(self.enc, p, (xi,)))  # noqa: E731
+            jac = vmap(jacrev(encode, argnums=1), in_dims=(None, 0))(dict(self.enc.named_parameters()), x)
+            return self.dec(z), jac.square().sum()
+
+    model = CAE()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 512)
+    with memprof.track(model, opt) as prof:
+        for _ in range(5):
+            rec, penalty = model(x)
+            ((rec - x).square().mean() + 1e-3 * penalty).backward()
+            opt.step()
+            opt.zero_grad()
+    r = prof.report()
+    assert r.peak.bytes["parameters"] == (512 * 256 + 256 + 256 * 512 + 512) * 4
+    assert 4 * MiB <= r.peak.bytes["activations"] <= 4 * MiB + 64 * 1024  # and the codes' few KiB
+    assert torch.autograd.graph.disable_saved_tensors_hooks.__module__ == "torch.autograd.graph"  # put back
