@@ -220,6 +220,10 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "lion-foreach": (".", "lion_foreach.py", ["--steps", "10"], ()),
     "spatial-transformer": (".", "spatial_transformer.py", ["--steps", "10"], ()),
     "byol-ema": (".", "byol_ema.py", ["--steps", "10"], ()),
+    "contractive-ae-func": (".", "contractive_ae_func.py", ["--steps", "10"], ()),
+    "memviz-snapshot": (".", "memviz_resnet_snapshot.py", ["--steps", "10", "--snapshot-dir", "/tmp"], ()),
+    "pwg-wavenet-stft": (".", "pwg_wavenet_stft.py", ["--steps", "10"], ()),
+    "perceiver-io-bytes": (".", "perceiver_io_bytes.py", ["--steps", "10"], ()),
 }
 
 
