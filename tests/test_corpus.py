@@ -145,6 +145,7 @@ SMALL = {
     "loss_history_leak.py": ["--batch-size", "32", "--image-size", "64", "--print-every", "1", "--val-every", "1"],
     "sac_policy_ckpt.py": ["--dim", "256", "--n_layers", "2", "--n_heads", "4", "--hidden_dim", "704",
                            "--vocab_size", "4096", "--batch_size", "2", "--seq_len", "512"],
+    "tacotron_decoder.py": ["--batch_size", "16", "--min_frames", "40", "--max_frames", "60"],  # a step per frame
 }
 
 
