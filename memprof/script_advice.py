@@ -576,6 +576,9 @@ class ScriptFacts:
     #: The torch.func transforms the model's forward runs inside ("vmap, grad": functorch's MAML,
     #: per-sample gradients), outermost first; "" where it runs outside any.
     transformed: str = ""
+    #: The torch.func transforms the model's forward runs inside itself, around some of its modules
+    #: ("vmap, grad": a contractive autoencoder's ``vmap(jacrev(encode))``); "" where none.
+    transforms_inside: str = ""
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, **facts: Any) -> "ScriptFacts":
@@ -837,6 +840,8 @@ class _Watch:
     def _on_module(self, name: str, module, args) -> None:
         if torch._C._current_graph_task_id() == -1:
             self.ran[name] = None
+            if self._open and self._open[0] and in_torch_func() and not self.facts.transformed:
+                self.facts.transforms_inside = self.facts.transforms_inside or _transforms()
             if self.forwards == 1 and torch.is_grad_enabled():
                 # A wrapper may enter autocast inside the model's forward, after its hooks
                 # (Accelerate, hence Hugging Face's Trainer, wraps ``model.forward``).
@@ -975,6 +980,12 @@ def what_is_done(plans: dict[str, list], facts: ScriptFacts, model: nn.Module, w
             out[name] = (f"the {who} runs the model inside torch.func's {facts.transformed}, where PyTorch refuses "
                          "saved-tensors hooks (torch.utils.checkpoint, save_on_cpu): 'torch.func.{grad, vjp, jacrev, "
                          "hessian} don't yet support saved tensor hooks'")
+            continue
+        if "grad" in facts.transforms_inside and any(isinstance(s, ActivationOffload) for s in strategies):
+            out[name] = (f"the model's forward runs torch.func's {facts.transforms_inside} around some of its "
+                         "modules, where PyTorch refuses saved-tensors hooks (activation offload's save_on_cpu "
+                         "around the forward): 'torch.func.{grad, vjp, jacrev, hessian} don't yet support saved "
+                         "tensor hooks'")
             continue
         if facts.transformed and any(isinstance(s, Accumulation) for s in strategies):
             out[name] = (f"the {who} runs the model inside torch.func's {facts.transformed}: the batch to split is "

@@ -2070,6 +2070,47 @@ def test_micro_batch_cut_leaves_out_padding_only_other_samples_needed():
         assert wavs.to("meta").shape == (4, 9)  # no lengths beside it: as the batch is
 
 
+def test_a_torch_func_transform_inside_the_forward_leaves_activation_offload_out(tmp_path):
+    """A contractive autoencoder's Jacobian penalty, ``vmap(jacrev(encode))`` inside the model's
+    forward: the tracker's hooks step aside for it, so the script is observed; activation offload's
+    save_on_cpu around the forward would meet the transform, which refuses saved-tensors hooks, as
+    on a GPU: left out with PyTorch's reason, not run to fail."""
+    from memprof.advisor import default_plans
+    from memprof.script_advice import advise_script
+
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        from torch.func import functional_call, jacrev, vmap
+
+        class CAE(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.enc, self.dec = nn.Linear(64, 16), nn.Linear(16, 64)
+
+            def forward(self, x):
+                encode = lambda p, xi: torch.sigmoid(functional_call(self.enc, p, (xi,)))
+                jac = vmap(jacrev(encode, argnums=1), in_dims=(None, 0))(dict(self.enc.named_parameters()), x)
+                return self.dec(torch.sigmoid(self.enc(x))), jac
+
+        model = CAE().cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        for step in range(12):
+            x = torch.randn(32, 64, device="cuda")
+            out, jac = model(x)
+            ((out - x).square().mean() + 1e-3 * jac.square().sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    plans = {k: v for k, v in default_plans().items() if k in ("baseline", "bf16", "offload_act")}
+    advice = advise_script(str(script), budget="24GiB", target="h200", plans=plans, progress=False)
+    assert advice.facts.transforms_inside == "vmap, grad" and advice.facts.transformed == ""
+    assert advice.failed == {} and list(advice.skipped) == ["offload_act"]
+    assert "refuses saved-tensors hooks" in advice.skipped["offload_act"]
+    assert list(advice.table.index) == ["baseline", "bf16"]
+
+
 def test_micro_batch_cut_takes_the_lengths_the_padding_follows():
     """Tacotron 2's batch holds two lengths of one longest (the text's and the frames'): the
     stop-token targets, 1 from each sample's last frame on, follow the frames'. Trimmed by the
