@@ -312,10 +312,6 @@ class _Mode(TorchFunctionMode):
             return _dropout(*args, **kwargs)
         if name == "rms_norm" and args and _on_meta(args[0]):
             return _rms_norm(*args, **kwargs)
-        if name in _FUSED_CELLS and args and _on_meta(args[0]):
-            # Cast first, as autocast does (lstm_cell and gru_cell are on its lower-precision list).
-            args, kwargs = self.autocast(name, args, kwargs) or (args, kwargs)
-            return _FUSED_CELLS[name](*args, **kwargs)
         if name == "cross_entropy_loss" and torch.is_autocast_enabled("cuda"):
             with self:  # composed from torch functions, which meet the policy
                 return cross_entropy_loss(*args, **kwargs)
@@ -329,6 +325,8 @@ class _Mode(TorchFunctionMode):
                 # SoftMax.cpp: on CUDA a float16 input with dtype=float32 runs one
                 # kernel that reads half and writes float, without a float copy.
                 return _HALF_TO_FLOAT[name](args[0], _arg(args, kwargs, 1, "dim"), True)
+        if name in _FUSED_CELLS and args and _on_meta(args[0]):  # (cast above: autocast's lower-precision list)
+            return _FUSED_CELLS[name](*args, **kwargs)
         if name == "scaled_dot_product_attention":
             if any(getattr(a, "is_nested", False) for a in args[:3]):
                 return jagged_attention(self.vc.sdpa, func, args, kwargs)
@@ -427,10 +425,8 @@ def _fused_gru_cell(input_gates: torch.Tensor, hidden_gates: torch.Tensor, hx: t
 def _fused_gru_cell_backward(grad_hy: torch.Tensor, workspace: torch.Tensor, has_bias: bool) -> tuple:
     """And for its backward: the two gates' gradients, the hidden state's, the biases' (their sums)."""
     gates = workspace.new_empty((workspace.shape[0], workspace.shape[1] // _GRU_WORKSPACE * 3))
-    grad_hx = torch.empty_like(grad_hy)
-    if not has_bias:
-        return gates, torch.empty_like(gates), grad_hx, None, None
-    return gates, torch.empty_like(gates), grad_hx, gates.new_empty(gates.shape[1]), gates.new_empty(gates.shape[1])
+    biases = (gates.new_empty(gates.shape[1]), gates.new_empty(gates.shape[1])) if has_bias else (None, None)
+    return gates, torch.empty_like(gates), torch.empty_like(grad_hy), *biases
 
 
 def _padded_rows(create: Callable) -> Callable:
