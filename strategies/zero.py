@@ -47,6 +47,14 @@ __all__ = ["StateOffload", "ZeRO", "fsdp_units"]
 # 22.6 GB/s a rank (17-29 GB/s), with the ranks' steps running side by side.
 _HOST_ADAM_BYTES_PER_PARAM = 28
 _HOST_ADAM_RATE = 22.6e9
+# And a cost per parameter tensor: AdamW picks neither foreach nor fused for host tensors
+# (torch.optim.optimizer._default_to_fused_or_foreach), so each sharded parameter runs its own
+# eight or so operators, each through DTensor's Python dispatch. benchmarks/host_adam.py on the
+# H200's host, FSDP2 CPUOffloadPolicy, 256 bias-free linears of width 128 and 256 (where the
+# elements above cost 4-17 % of the step): 0.375-0.62 ms a tensor over two runs, median 0.44
+# (results/host-adam.json). Without it the advisor's benchmark had its smaller models' offload
+# steps 10-39 % fast (GPT-2, BERT, ViT-B/16: ~150-200 tensors of 0.4-0.8 M elements).
+_HOST_ADAM_SECONDS_PER_TENSOR = 0.44e-3
 # An optimizer that multiplies matrices (Muon's Newton-Schulz iterations, in bf16) is bound by the
 # host's matrix products instead: their flops, as the simulated step counts them (PyTorch's flop
 # counter), at 2.3 TFLOP/s. Measured on the H200's host, 16 threads (benchmarks/host_flops.py,
@@ -66,11 +74,13 @@ def fsdp_units(model: nn.Module) -> dict:
     ``blocks`` (the repeated blocks' names), ``largest_block_bytes`` (0
     without repeated blocks: the model is then one unit) and ``root_bytes``
     (the parameters outside every block, which the root unit gathers for the
-    whole forward and backward)."""
+    whole forward and backward), and ``trained_tensors`` (the parameters the
+    optimizer steps, each of which an offloaded step runs on its own)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     blocks = find_blocks(model)
     sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in blocks]
-    return {"blocks": [n for n, _ in blocks], "largest_block_bytes": max(sizes, default=0), "root_bytes": total - sum(sizes)}
+    return {"blocks": [n for n, _ in blocks], "largest_block_bytes": max(sizes, default=0), "root_bytes": total - sum(sizes),
+            "trained_tensors": sum(1 for p in model.parameters() if p.requires_grad)}
 
 
 def optimizer_settings(opt: torch.optim.Optimizer) -> dict:
@@ -195,7 +205,7 @@ class ZeRO(Strategy):
         peak = max(values, default=step_peak)
         # The optimizers' matrix products (Muon's Newton-Schulz iterations), as the simulated step counted them.
         flops = int(report.meta.get("optimizer_flops", baseline.meta.get("optimizer_flops", 0)))
-        moved, host = self._seconds(params, gpu, flops)
+        moved, host = self._seconds(params, gpu, flops, int(baseline.meta.get("trained_tensors", 0)))
         return prediction.minus(prediction.peak_allocated - peak, moved + host, busy=moved)
 
     def _bytes(self, sample, kind: Phase | None, computing: bool, params: int, baseline: Report, step_peak: int) -> int:
@@ -226,10 +236,11 @@ class ZeRO(Strategy):
                 extra += block or params  # the block's gradients before their reduce-scatter
         return allocated + before + extra
 
-    def _seconds(self, params: int, gpu, optimizer_flops: int = 0) -> tuple[float, float]:
+    def _seconds(self, params: int, gpu, optimizer_flops: int = 0, tensors: int = 0) -> tuple[float, float]:
         """Seconds a step adds: moving parameters and gradients (the device's
         links), and the host's optimizer step with offload (the device idles):
-        its bytes, and its matrix products (``optimizer_flops``) at the host's rate."""
+        its bytes, its matrix products (``optimizer_flops``) at the host's rate,
+        and its ``tensors`` (every rank steps a shard of each)."""
         n = self.world_size
         # Parameter volumes moved a step: DDP's all-reduce (2) and the optimizer's
         # broadcast (1) for stage 1; reduce-scatter + one all-gather (2) for stage
@@ -241,7 +252,8 @@ class ZeRO(Strategy):
             shard = params / n
             link = gpu.pcie_bandwidth * TimeModel.link_efficiency
             seconds += (gathers + 1) * shard / link  # shards in, gradients out
-            host = shard / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_ADAM_RATE + optimizer_flops / n / _HOST_MATMUL_RATE
+            host = (shard / 4 * _HOST_ADAM_BYTES_PER_PARAM / _HOST_ADAM_RATE + tensors * _HOST_ADAM_SECONDS_PER_TENSOR
+                    + optimizer_flops / n / _HOST_MATMUL_RATE)
             return seconds, host  # this rank's shard, on its threads
         return seconds, 0.0
 

@@ -125,7 +125,8 @@ def test_fsdp_units_and_block_phases():
     model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Sequential(*[FF() for _ in range(3)]))
     units = fsdp_units(model)
     # Three FF blocks of 2 MiB; the first Linear (256 KiB) belongs to the root unit.
-    assert units == {"blocks": ["1.0", "1.1", "1.2"], "largest_block_bytes": 2 * MiB, "root_bytes": 256 * 1024}
+    assert units == {"blocks": ["1.0", "1.1", "1.2"], "largest_block_bytes": 2 * MiB, "root_bytes": 256 * 1024,
+                     "trained_tensors": 7}
     assert _in_block("backward Sequential.1.2.fc1", units["blocks"])
     assert _in_block("forward Sequential.1.0", units["blocks"])
     assert _in_block("recompute Sequential.1.0.fc1", units["blocks"])
@@ -133,7 +134,9 @@ def test_fsdp_units_and_block_phases():
     assert not _in_block("forward Sequential.0", units["blocks"])
     assert not _in_block("backward Sequential", units["blocks"])
     assert not _in_block("optimizer step", units["blocks"])
-    assert fsdp_units(nn.Linear(4, 4, bias=False)) == {"blocks": [], "largest_block_bytes": 0, "root_bytes": 64}
+    frozen = nn.Linear(4, 4)
+    frozen.bias.requires_grad_(False)
+    assert fsdp_units(frozen) == {"blocks": [], "largest_block_bytes": 0, "root_bytes": 80, "trained_tensors": 1}
 
 
 def test_zero_arguments():
@@ -242,3 +245,30 @@ def test_an_optimizer_that_multiplies_matrices_is_priced_by_them_on_the_host():
     priced = offload.adjust(pred, muon, gpu).seconds
     muon.meta["optimizer_flops"] = 0
     assert priced - offload.adjust(pred, muon, gpu).seconds == pytest.approx(47_185_920 / _HOST_MATMUL_RATE, rel=1e-9)
+
+
+def test_the_hosts_adamw_costs_each_tensor_it_steps():
+    """An offloaded AdamW steps each host tensor with its own operators (neither foreach nor fused
+    for CPU tensors): the same elements in 2 tensors or in 2 + 64 tensors cost 64 tensors' more."""
+    from memprof.advisor import simulate_plan
+    from memprof.devices import get_gpu
+    from memprof.strategies import Prediction
+    from memprof.strategies.zero import _HOST_ADAM_SECONDS_PER_TENSOR
+
+    gpu = get_gpu("h200")
+
+    def make(split):
+        def build():
+            model = nn.Sequential(*(nn.Linear(256 // split, 256, bias=False) for _ in range(split))).cuda()
+            return Workload(model, torch.optim.AdamW(model.parameters()), torch.randn(32, 256 // split, device="cuda"),
+                            lambda m, b: sum(layer(b).square().mean() for layer in m))
+        return build
+
+    seconds = {}
+    for split in (1, 64):
+        report = simulate_plan(make(split), list, gpu).report
+        assert report.meta["trained_tensors"] == split
+        assert int(report.modules["parameters"].iloc[0]) == 256 * 256 * 4  # the same bytes either way
+        seconds[split] = StateOffload().adjust(Prediction(report.steps["peak_allocated"].iloc[-1], 0, 0.0, report),
+                                               report, gpu).seconds
+    assert seconds[64] - seconds[1] == pytest.approx(63 * _HOST_ADAM_SECONDS_PER_TENSOR, rel=1e-9)
