@@ -283,6 +283,7 @@ _FACTORIES = {torch.randn, torch.rand, torch.randint, torch.zeros, torch.ones, t
               torch.tensor, torch.as_tensor, torch.Tensor.new_tensor, torch.Tensor.new_zeros, torch.Tensor.new_ones,
               torch.Tensor.new_empty, torch.Tensor.new_full}
 _CUT_AT = _TO_DEVICE | _FACTORIES
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 # Where a script compares samples with their targets: the losses of torch.nn.functional (what
 # nn.CrossEntropyLoss and its kin call) and equality (accuracy). Not any operator: a second model
 # (a GAN's generator) runs outside the model too, and its batch norm's running mean may have
@@ -345,6 +346,18 @@ class _MicroBatchCut(TorchFunctionMode):
             return t[: t.shape[0] // self.k]
         return t
 
+    def _within_part(self, t: Any, index: Any) -> Any:
+        """An integer index into a cut tensor's first dimension that only the whole batch has (a
+        per-sample loop over the script's batch size filling a mask made on the device): the same
+        position in the micro-batch, index modulo its size. On the GPU the batch is whole, so such an
+        index is never out of range there."""
+        first = index[0] if isinstance(index, tuple) and index else index
+        if (isinstance(t, torch.Tensor) and t.dim() and isinstance(first, int) and not isinstance(first, bool)
+                and t.shape[0] in self._parts and t.shape[0] <= first < t.shape[0] * self.k):
+            first %= t.shape[0]
+            return (first, *index[1:]) if isinstance(index, tuple) else first
+        return index
+
     def _evaluating(self) -> bool:
         """Whether the script evaluates now, not trains: gradients off (no_grad, inference_mode), or the
         model in eval mode (the Hugging Face Trainer's evaluation loop moves and pads its batches with
@@ -360,6 +373,8 @@ class _MicroBatchCut(TorchFunctionMode):
             return func(*args, **kwargs)
         if not self._in_model and getattr(func, "__name__", "") in _SAMPLEWISE:
             args, kwargs = self._match(args, kwargs)
+        if not self._in_model and func in _INDEXING and len(args) > 1:
+            args = (args[0], self._within_part(args[0], args[1]), *args[2:])
         out = func(*args, **kwargs)
         if self._in_model or func not in _CUT_AT:  # the model's operators: as fast as can be
             return out
@@ -1186,6 +1201,10 @@ class _Schedule:
         self.evaluation_peak: tuple[int, str] = (0, "")
         self.left_out = 0  # steps left out: with an evaluation in them, or a short batch
         self._step_rows: list[int | None] = []  # of the step in progress: each forward's samples
+        self._kind: int | None = None  # other optimizers' steps in the baseline's measured step
+        self._kind_left_out = 0  # at most 8 over the advice: a script whose steps all differ goes on
+        self._others = 0  # other optimizers' steps in the step in progress
+        self._others_hook = None
         self._short_left_out = False  # whether the current plan left out a step for a short batch
 
     def pending(self) -> list[str]:
@@ -1197,6 +1216,8 @@ class _Schedule:
         from memprof.strategies.zero import fsdp_units
 
         self.model, self.opt = model, opt
+        if self._others_hook is None:
+            self._others_hook = register_optimizer_step_post_hook(self._on_any_step)
         self._fresh = True  # a run of the script begins
         # A first step with an evaluation in it (a validation at step 0) is no more the step's than
         # a later one: the next is taken, the evaluation's cache emptied (one where every step
@@ -1209,6 +1230,10 @@ class _Schedule:
             self._watch = _Watch(model, opt)
             self._check_accounted(model, opt)
         self._next()
+
+    def _on_any_step(self, opt, args, kwargs) -> None:
+        if opt is not self.opt:
+            self._others += 1
 
     def _check_accounted(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         """Strategies accounted for after the step (sharding) never run on the script's model: what
@@ -1225,8 +1250,10 @@ class _Schedule:
 
     def on_step(self, tracker) -> bool:
         # A step's shapes: its forwards' in order (a model called for positives, then for negatives, is one)
+        others, self._others = self._others, 0  # other optimizers' steps in this step (a GAN's generator's)
         if self._step_shapes:
-            self.shapes.add(self._step_shapes[0] if len(self._step_shapes) == 1 else tuple(self._step_shapes))
+            distinct = tuple(dict.fromkeys(self._step_shapes))  # the model called 3 times on one shape: one shape
+            self.shapes.add(distinct[0] if len(distinct) == 1 else distinct)
             self._step_shapes = []
 
         rows, self._step_rows = self._step_rows[:1], []
@@ -1250,6 +1277,12 @@ class _Schedule:
             # plan's step is the next one (accumulation plans failed on it, finding nothing to cut).
             # Once a plan: a script whose every step is short (its first forward a smaller call) goes on.
             self._short_left_out = True
+            return self._leave_out()
+        if (self._current is not None and self._kind is not None and others != self._kind
+                and self._emptied is None and self._kind_left_out < 8):
+            self._kind_left_out += 1
+            # A step of another kind than the baseline's (a GAN's lazy regularization: the first model's
+            # optimizer steps twice every N iterations): each plan is measured on a step like the baseline's.
             return self._leave_out()
         if self._emptied is not None:  # the script's steps on an emptied cache (below): as many as a plan's
             self._emptied_steps += 1
@@ -1286,6 +1319,7 @@ class _Schedule:
             return True
         self.steps_of[key] = (tracker.step - 1, derived)
         if not key:
+            self._kind = others
             self.baseline = tracker.report()
             if self._watch is not None:
                 self.facts, self._watch = self._watch.close(), None
@@ -1315,6 +1349,10 @@ class _Schedule:
                         "leave out what the layout its first step leaves adds (run it for more steps after --)")
             self._emptied = None
         self._stack.close()
+        if self._others_hook is not None:
+            self._others_hook.remove()
+            self._others_hook = None
+        self._others = 0
         self._step_shapes = []  # of a step the run's end cut short: no step's (it would join the next run's first)
         self._step_rows = []
         if self._watch is not None:

@@ -2249,3 +2249,58 @@ def test_targets_made_flat_are_cut_with_the_batch(tmp_path):
     assert all("ckpt" in name for name in data["failed"]), data["failed"]  # no repeated blocks, only that
     plans = {p["plan"]: p for p in data["plans"]}
     assert plans["accum2"]["peak_allocated"] < plans["baseline"]["peak_allocated"]
+
+
+def test_a_per_sample_loop_over_the_whole_batch_runs_in_a_micro_batch(tmp_path):
+    """Inpainting code fills a mask made on the device sample by sample, ``for i in range(B)``: cut
+    to a micro-batch, the mask has B / K rows, and index B / K raised IndexError in every
+    accumulation plan. On the GPU the batch is whole, so the index is taken within the micro-batch."""
+    data, _ = advise_source(tmp_path, "\n".join([
+        "import torch, torch.nn as nn",
+        "B = 1024",
+        "model = nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 256)).cuda()",
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)",
+        "for step in range(20):",
+        "    x = torch.randn(B, 256, device='cuda')",
+        "    m = torch.zeros(B, 256, device='cuda')",
+        "    for i in range(B):",
+        "        m[i, : (i % 256) + 1] = 1.0",
+        "    loss = ((model(x * m) - x) ** 2 * m).mean()",
+        "    opt.zero_grad(); loss.backward(); opt.step()",
+    ]) + "\n")
+    assert not [why for why in data["failed"].values() if "IndexError" in why], data["failed"]
+    peaks = {p["plan"]: p["peak_allocated"] for p in data["plans"]}
+    assert {"accum2", "accum4", "accum8"} <= set(peaks)
+    # each micro-batch's activations: B / K rows of 4096 fp32 (16 MiB for the whole batch)
+    assert peaks["baseline"] > peaks["accum2"] > peaks["accum4"] > peaks["accum8"]
+
+
+def test_each_plan_is_measured_on_a_step_like_the_baselines(tmp_path):
+    """A GAN with lazy R1 regularization steps the discriminator's optimizer twice every 4th
+    iteration. The step a plan was measured on was whichever came next: accum2 met a step of the
+    other kind, was predicted 1.6x faster than the baseline and left out as a batch whose samples
+    interact. Steps whose other optimizers step another number of times are left out."""
+    data, _ = advise_source(tmp_path, "\n".join([
+        "import torch, torch.nn as nn, torch.nn.functional as F",
+        "B, Z = 64, 128",
+        "G = nn.Sequential(nn.Linear(Z, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 1024)).cuda()",
+        "D = nn.Sequential(nn.Linear(1024, 1024), nn.LeakyReLU(0.2), nn.Linear(1024, 1)).cuda()",
+        "g_opt = torch.optim.Adam(G.parameters(), betas=(0.0, 0.99))",
+        "d_opt = torch.optim.Adam(D.parameters(), betas=(0.0, 0.99))",
+        "for i in range(40):",
+        "    real = torch.randn(B, 1024, device='cuda')",
+        "    d_loss = F.softplus(D(G(torch.randn(B, Z, device='cuda')).detach())).mean() + F.softplus(-D(real)).mean()",
+        "    d_opt.zero_grad(); d_loss.backward(); d_opt.step()",
+        "    if i % 4 == 0:",
+        "        real.requires_grad_(True)",
+        "        g, = torch.autograd.grad(D(real).sum(), real, create_graph=True)",
+        "        d_opt.zero_grad(); (g.pow(2).sum(1).mean() * 10).backward(); d_opt.step()",
+        "    g_loss = F.softplus(-D(G(torch.randn(B, Z, device='cuda')))).mean()",
+        "    g_opt.zero_grad(); g_loss.backward(); g_opt.step()",
+    ]) + "\n")
+    assert data["skipped"] == {}
+    seconds = {p["plan"]: p["seconds"] for p in data["plans"]}
+    assert {"accum2", "accum4", "accum8"} <= set(seconds)
+    # micro-batches run the same kernels on fewer rows: a step of K of them is never faster
+    assert seconds["baseline"] < seconds["accum2"] < seconds["accum4"] < seconds["accum8"]
+    assert data["varying_batch_shapes"] == []
