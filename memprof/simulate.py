@@ -59,7 +59,10 @@ def usable_bytes(gpu: GPU) -> int:
     """The device memory PyTorch's allocator can reserve on ``gpu``: its memory less what lies outside PyTorch."""
     return gpu.memory_bytes - NON_PYTORCH_BYTES
 
-_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "addmv", "mv", "_addmm_activation"}
+_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "addmv", "mv", "_addmm_activation",
+               # torchvision's deformable convolution multiplies its im2col columns by the weight with
+               # addmm_ (torchvision/csrc/ops/cuda/deform_conv2d_kernel.cu), in forward and in backward.
+               "deform_conv2d", "_deform_conv2d_backward"}
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -571,8 +574,10 @@ class SimulatedAllocator(TorchDispatchMode):
                               "size its outputs: simulated by running its implementation's operators")
                 with self:
                     return implementation(*args, **kwargs)
-            if self.note is not None and _maybe_opdef(func) is not None:
-                self.note(f"{func.name()} (a custom operator)", "sized by its fake implementation: its outputs "
+            if self.note is not None and (_maybe_opdef(func) is not None or func.namespace in _LIBRARIES):
+                # A library's kernels registered in C++ (torchvision's) are sized the same way.
+                what = "a custom operator" if func.namespace not in _LIBRARIES else f"a {func.namespace} operator"
+                self.note(f"{func.name()} ({what})", "sized by its fake implementation: its outputs "
                           "and what autograd saves of them are counted, its kernel's own scratch memory is not")
         out, cost = KERNELS.run(func, args, kwargs, _cost)
         own = self.script_meta
@@ -672,6 +677,9 @@ class SimulatedAllocator(TorchDispatchMode):
 
 
 _PYTORCH_NAMESPACES = frozenset(("aten", "prims", "_c10d_functional", "c10d", "_dtensor", "profiler"))
+# Libraries whose CUDA kernels are registered in C++ (no torch.library.custom_op to ask): their
+# operators run on their meta kernels, which size the outputs only.
+_LIBRARIES = frozenset(("torchvision", "torchaudio", "torchao", "fbgemm", "xformers", "mmcv"))
 
 
 def _maybe_opdef(func) -> Any:

@@ -1320,6 +1320,49 @@ def test_a_custom_operator_without_a_fake_runs_its_implementation():
     assert "its kernel's own scratch memory is not" in device.notes[f"{faked} (a custom operator)"]
 
 
+def test_another_librarys_operator_is_said_to_leave_its_scratch_memory_out():
+    """A library's CUDA kernels registered in C++ (torchvision's, mmcv's) run on their meta kernels
+    in the simulation: the outputs are counted, what the kernel allocates inside is not, and the
+    report says so for the operator, as for a custom operator with a fake implementation."""
+    import uuid
+
+    from memprof.simulate import SimulatedAllocator
+
+    name = f"memprof_test_{uuid.uuid4().hex[:8]}"
+    lib = torch.library.Library("mmcv", "FRAGMENT")
+    lib.define(f"{name}(Tensor x) -> Tensor")
+    lib.impl(name, lambda x: torch.empty_like(x), "Meta")
+    gpu = memprof.get_gpu("h200")
+    a = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=a) as device:
+        x = torch.randn(512, 512, device="cuda")
+        y = getattr(torch.ops.mmcv, name)(x)
+        assert y.is_cuda and a.model.allocated == 2 * MiB  # its input and its output
+    assert "its kernel's own scratch memory is not" in device.notes[f"mmcv::{name} (a mmcv operator)"]
+
+
+def test_a_deformable_convolution_takes_cublas_workspaces():
+    """torchvision's deform_conv2d multiplies its im2col columns by the weight with addmm_ in forward
+    and in backward: the training thread's and autograd's cuBLAS workspaces, as any matrix product."""
+    torchvision = pytest.importorskip("torchvision")
+    from memprof.simulate import SimulatedAllocator, cublas_workspace_bytes
+
+    gpu = memprof.get_gpu("h200")
+    a = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=a) as device:
+        x = torch.randn(2, 8, 16, 16, device="cuda")
+        offset = torch.zeros(2, 18, 16, 16, device="cuda", requires_grad=True)
+        weight = torch.randn(8, 8, 3, 3, device="cuda", requires_grad=True)
+        before = a.model.allocated
+        out = torchvision.ops.deform_conv2d(x, offset, weight, padding=1)
+        workspace = cublas_workspace_bytes(gpu.compute_capability)
+        # the workspace, the output, and the zero bias and mask torchvision's Python makes when none is given
+        assert a.model.allocated - before == workspace + 2 * 8 * 16 * 16 * 4 + 2 * 512
+        out.sum().backward()
+        assert len(a._workspaces) == 2  # the training thread's and autograd's
+    assert "torchvision::deform_conv2d (a torchvision operator)" in device.notes
+
+
 def test_a_scripts_own_memory_fraction_caps_the_simulated_gpu():
     """``torch.cuda.set_per_process_memory_fraction(0.25)`` (a script sharing a GPU): c10's alloc_block fails a
     new segment once reserved memory and the segment would pass a quarter of the device's total, and the
