@@ -224,6 +224,19 @@ CORPUS: dict[str, tuple[str, str, list[str], tuple[str, ...]]] = {
     "memviz-snapshot": (".", "memviz_resnet_snapshot.py", ["--steps", "10", "--snapshot-dir", "/tmp"], ()),
     "pwg-wavenet-stft": (".", "pwg_wavenet_stft.py", ["--steps", "10"], ()),
     "perceiver-io-bytes": (".", "perceiver_io_bytes.py", ["--steps", "10"], ()),
+    "adaptive-softmax-lm": (".", "adaptive_softmax_lm.py", [], ()),
+    "deberta-mlm": (".", "deberta_mlm.py", [], ()),
+    "deform-det": (".", "deform_det.py", [], VISION),
+    "performer-lm": (".", "performer_lm.py", [], ()),
+    "pixelcnn": (".", "pixelcnn.py", [], ()),
+    "pixelcnn-dmol": (".", "pixelcnn.py", ["--loss", "dmol"], ()),
+    "triplet-embed": (".", "triplet_embed.py", [], VISION),
+    "capsnet": (".", "capsnet.py", [], ()),
+    "clip-contrastive": (".", "clip_contrastive.py", [], ()),
+    "mistral-pure-bf16": (".", "mistral_pure_bf16.py", [], ()),
+    "patch-inpaint": (".", "patch_inpaint.py", [], ()),
+    "stylegan2-lazy-r1": (".", "stylegan2_lazy_r1.py", [], ()),
+    "tabular-plateau": (".", "tabular_plateau.py", [], ()),
 }
 
 

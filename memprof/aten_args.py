@@ -14,7 +14,10 @@ import torch
 from torch.nested._internal.nested_tensor import NestedTensor as _NESTED
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
 
-__all__ = ["leaves", "tensors", "map_leaves", "decomposes"]
+__all__ = ["PYTORCH_NAMESPACES", "leaves", "tensors", "map_leaves", "decomposes"]
+
+#: Operator namespaces PyTorch's own kernels live in; others are a library's or a script's.
+PYTORCH_NAMESPACES = frozenset(("aten", "prims", "_c10d_functional", "c10d", "_dtensor", "profiler"))
 
 
 def leaves(*objs: Any) -> Iterator[Any]:

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from .allocator import Counters, cublas_workspace_bytes
-from .aten_args import decomposes, tensors
+from .aten_args import PYTORCH_NAMESPACES, decomposes, tensors
 from .caching import (CachingAllocatorModel, SimulatedOOM, allocator_settings, expandable_segments_setting,
                       unmodelled_settings)
 from .cuda_api import current_stream_id
@@ -566,7 +566,7 @@ class SimulatedAllocator(TorchDispatchMode):
             # ATen's check (Blas.cpp, _scaled_mm_allowed_device): FP8 tensor cores from Ada and Hopper on
             raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or "
                                f"8.9, or ROCm MI300+ (simulated {self.gpu.name}: {self.gpu.compute_capability})")
-        if func.namespace not in _PYTORCH_NAMESPACES:
+        if func.namespace not in PYTORCH_NAMESPACES:
             implementation = _without_fake(func)
             if implementation is not None:  # its own operators, on this device
                 if self.note is not None:
@@ -574,7 +574,8 @@ class SimulatedAllocator(TorchDispatchMode):
                               "size its outputs: simulated by running its implementation's operators")
                 with self:
                     return implementation(*args, **kwargs)
-            if self.note is not None and (_maybe_opdef(func) is not None or func.namespace in _LIBRARIES):
+            if self.note is not None and (_maybe_opdef(func) is not None
+                                          or func.namespace in _LIBRARIES and any(True for _ in tensors(args))):
                 # A library's kernels registered in C++ (torchvision's) are sized the same way.
                 what = "a custom operator" if func.namespace not in _LIBRARIES else f"a {func.namespace} operator"
                 self.note(f"{func.name()} ({what})", "sized by its fake implementation: its outputs "
@@ -676,7 +677,6 @@ class SimulatedAllocator(TorchDispatchMode):
         self._launch(flops, nbytes, dtype, False, False, kind, [], host)
 
 
-_PYTORCH_NAMESPACES = frozenset(("aten", "prims", "_c10d_functional", "c10d", "_dtensor", "profiler"))
 # Libraries whose CUDA kernels are registered in C++ (no torch.library.custom_op to ask): their
 # operators run on their meta kernels, which size the outputs only.
 _LIBRARIES = frozenset(("torchvision", "torchaudio", "torchao", "fbgemm", "xformers", "mmcv"))

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .aten_args import decomposes, leaves, map_leaves, tensors
+from .aten_args import PYTORCH_NAMESPACES, decomposes, leaves, map_leaves, tensors
 
 __all__ = ["HOST_FLOPS", "LIMIT", "UnknownValues", "Values"]
 
@@ -270,8 +270,10 @@ class Values(TorchDispatchMode):
             return out
         out = func(*args, **kwargs)
         # A factory has no inputs to be unknown (torch.randn of a batch): the size of what it
-        # makes decides, so the host never computes a large tensor.
-        known = known and all(o.layout is torch.strided and o.untyped_storage().nbytes() <= limit
+        # makes decides, so the host never computes a large tensor. A library's kernels (torchvision's
+        # deform_conv2d) are not run on the host for values no shape depends on: they are not
+        # PyTorch's, and torchvision's deformable convolution crashed the process on the shadows.
+        known = known and func.namespace in PYTORCH_NAMESPACES and all(o.layout is torch.strided and o.untyped_storage().nbytes() <= limit
                               for o in tensors(out) if o.is_meta) and _flops(func, args, kwargs, out) <= HOST_FLOPS
         if known:
             try:

@@ -146,6 +146,26 @@ SMALL = {
     "sac_policy_ckpt.py": ["--dim", "256", "--n_layers", "2", "--n_heads", "4", "--hidden_dim", "704",
                            "--vocab_size", "4096", "--batch_size", "2", "--seq_len", "512"],
     "tacotron_decoder.py": ["--batch_size", "16", "--min_frames", "40", "--max_frames", "60"],  # a step per frame
+    "adaptive_softmax_lm.py": ["--vocab", "50000", "--emsize", "64", "--nhid", "128", "--bptt", "32",
+                               "--batch_size", "16", "--tokens", "20000"],
+    "deberta_mlm.py": ["--vocab-size", "1000", "--hidden-size", "64", "--layers", "2", "--heads", "4", "--seq-len", "64",
+                       "--batch-size", "4", "--max-steps", "6"],
+    "deform_det.py": ["--batch-size", "2", "--channels", "32", "--num-classes", "10", "--image-size", "128",
+                      "--steps", "6"],
+    "performer_lm.py": ["--vocab", "1000", "--dim", "64", "--depth", "2", "--seq-len", "128", "--batch-size", "4",
+                        "--iters", "6"],
+    "pixelcnn.py": ["--batch-size", "4", "--image-size", "16", "--hidden", "32", "--layers", "4", "--iters-per-epoch", "6"],
+    "triplet_embed.py": ["--batch-size", "16", "--image-size", "64", "--epochs", "1"],
+    "capsnet.py": ["--batch-size", "16", "--epochs", "1", "--steps-per-epoch", "6"],
+    "clip_contrastive.py": ["--batch-size", "8", "--image-size", "64", "--text-len", "16", "--vocab-size", "1000",
+                            "--width", "64", "--layers", "2", "--steps", "6"],
+    "mistral_pure_bf16.py": ["--vocab-size", "1000", "--hidden-size", "64", "--intermediate-size", "176",
+                             "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "2", "--sliding-window", "32",
+                             "--seq-len", "64", "--batch-size", "2", "--max-steps", "6", "--warmup-steps", "2"],
+    "patch_inpaint.py": ["--batch-size", "8", "--image-size", "64", "--dim", "64", "--depth", "2", "--steps", "6"],
+    "stylegan2_lazy_r1.py": ["--size", "16", "--batch", "8", "--channels", "32", "--iters", "12"],
+    "tabular_plateau.py": ["--n-features", "64", "--n-train", "4096", "--n-val", "1024", "--batch-size", "256",
+                           "--steps", "8"],
 }
 
 
@@ -276,7 +296,8 @@ def test_pytorch_examples_imagenet_spawned_runs_every_plan(tmp_path):
                                   "prefetch-classifier", "dcgan", "conformer-asr", "hf-detr-matcher", "wav2vec2-ctc",
                                   "dino-multicrop", "kge-sparse-adam", "rwkv-tbptt", "raft-flow",
                                   "reformer-reversible", "tabnet-ghost-bn", "swa-cifar", "autoresearch-gpt",
-                                  "varlen-finetune", "einops-vit-metrics", "threaded-prefetch"])
+                                  "varlen-finetune", "einops-vit-metrics", "threaded-prefetch", "patch-inpaint",
+                                  "stylegan2-lazy-r1", "deform-det"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -325,6 +346,12 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert {"ckpt", "ckpt+accum2"} <= plans, advice["failed"]
     if name == "threaded-prefetch":  # its prefetching thread runs on the simulated GPU in every plan's run
         assert not advice["failed"] and {"accum2", "bf16", "ckpt"} <= plans
+    if name == "patch-inpaint":  # its per-sample mask loop runs to the script's batch size in a micro-batch too
+        assert {"accum2", "accum4", "accum8"} <= plans and not advice["failed"], advice["failed"]
+    if name == "stylegan2-lazy-r1":  # every 4th step also regularizes: plans are measured on steps like the baseline's
+        assert {"accum2", "accum4"} <= plans and "accum2" not in advice["skipped"]
+    if name == "deform-det":  # torchvision's deformable convolution, sized by its meta kernel and said so
+        assert "torchvision::deform_conv2d (a torchvision operator)" in advice["baseline"]["meta"]["simulation_notes"]
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
         assert "accum2" in plans and "torch.distributed" in advice["baseline"]["meta"]["simulation_notes"]
 
