@@ -273,8 +273,9 @@ class Values(TorchDispatchMode):
         # makes decides, so the host never computes a large tensor. A library's kernels (torchvision's
         # deform_conv2d) are not run on the host for values no shape depends on: they are not
         # PyTorch's, and torchvision's deformable convolution crashed the process on the shadows.
-        known = known and func.namespace in PYTORCH_NAMESPACES and all(o.layout is torch.strided and o.untyped_storage().nbytes() <= limit
-                              for o in tensors(out) if o.is_meta) and _flops(func, args, kwargs, out) <= HOST_FLOPS
+        known = (known and func.namespace in PYTORCH_NAMESPACES
+                 and all(o.layout is torch.strided and o.untyped_storage().nbytes() <= limit
+                         for o in tensors(out) if o.is_meta) and _flops(func, args, kwargs, out) <= HOST_FLOPS)
         if known:
             try:
                 result = func(*map_leaves(self._cpu, args), **_host(map_leaves(self._cpu, kwargs)))
