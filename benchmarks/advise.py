@@ -2,7 +2,7 @@
 
     python benchmarks/advise.py predict [--out DIR] [--models ...]   # any machine: simulate every plan for the H200
     python benchmarks/advise.py verify  [--out DIR] [--models ...]   # on the GPU: measure them
-    python benchmarks/advise.py check   [--out DIR]                  # anywhere: errors and choices per budget
+    python benchmarks/advise.py check   [--out DIR] [--verified A.json B.json]   # anywhere: errors and choices per budget
     python benchmarks/advise.py repeat --models gpt2 --plans P ...   # on the GPU: the same plans on fresh builds, 3 rounds
     python benchmarks/advise.py fresh --models gpt2 --plans P ...    # on the GPU: each plan in a process of its own
 
@@ -144,10 +144,16 @@ def one(model: str, plan: str) -> None:
         dist.destroy_process_group()
 
 
-def check(out: Path) -> pd.DataFrame:
-    """Per model and budget: the time errors of the plans that fit as measured, and the advisor's choice."""
+def check(out: Path, verified: list[Path] | None = None) -> pd.DataFrame:
+    """Per model and budget: the time errors of the plans that fit as measured, and the advisor's choice.
+
+    ``verified``: the measurements (default ``advise-verified.json``, checked into
+    ``advise-check.json``; ``advise-verified-day4.json`` into ``advise-check-day4.json``); with
+    several (days), each plan's step time is their mean and its peak their largest, checked into
+    ``advise-check-mean.json``."""
     predicted = json.loads((out / "advise-predicted.json").read_text())
-    measured = json.loads((out / "advise-verified.json").read_text())["measured"]
+    paths = verified or [out / "advise-verified.json"]
+    measured = _merged([json.loads(p.read_text())["measured"] for p in paths])
     rows, errors = [], []
     for m in MODELS:
         if m not in measured or m not in predicted:
@@ -197,12 +203,28 @@ def check(out: Path) -> pd.DataFrame:
         totals[bound] = {"plans": int(len(e)), "median_abs_error": float(e.median()) if len(e) else None,
                          "worst_abs_error": float(e.max()) if len(e) else None,
                          "within_15": int((e <= 0.15).sum()), "within_30": int((e <= 0.30).sum())}
-    (out / "advise-check.json").write_text(json.dumps(
-        {"totals": totals, "cases": summary.to_dict(orient="records"), "errors": errors}, indent=1, default=float) + "\n")
+    name = ("advise-check-mean.json" if len(paths) > 1 else
+            "advise-check" + paths[0].stem.removeprefix("advise-verified") + ".json")  # -day4: advise-check-day4.json
+    (out / name).write_text(json.dumps(
+        {"verified": [p.name for p in paths], "totals": totals, "cases": summary.to_dict(orient="records"),
+         "errors": errors}, indent=1, default=float) + "\n")
     pd.set_option("display.width", 200)
     print(summary.to_string(float_format=lambda x: f"{x:.3f}"))
     print(totals)
     return summary
+
+
+def _merged(days: list[dict]) -> dict:
+    """Per model, the plans measured on every day: mean step time, largest peaks."""
+    if len(days) == 1:
+        return days[0]
+    merged = {}
+    for m in set.intersection(*(set(d) for d in days)):
+        by_plan = [{r["plan"]: r for r in d[m] if r.get("measured_seconds") is not None} for d in days]
+        merged[m] = [{"plan": p, "measured_seconds": sum(d[p]["measured_seconds"] for d in by_plan) / len(by_plan),
+                      "measured_peak_reserved": max(d[p]["measured_peak_reserved"] for d in by_plan)}
+                     for p in by_plan[0] if all(p in d for d in by_plan)]
+    return merged
 
 
 def main() -> None:
@@ -211,6 +233,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     ap.add_argument("--plans", nargs="+", default=[], help="for repeat and fresh: the plans to measure")
+    ap.add_argument("--verified", nargs="+", type=Path, default=None,
+                    help="for check: measurements of several days (their mean step time per plan)")
     a = ap.parse_args()
     if a.mode in ("repeat", "one") and (len(a.models) != 1 or not a.plans):
         ap.error(f"{a.mode} takes one model (--models gpt2) and the plans to measure (--plans bf16+accum4 ...)")
@@ -218,7 +242,7 @@ def main() -> None:
         ap.error("fresh takes the plans to measure (--plans accum4 ...)")
     a.out.mkdir(parents=True, exist_ok=True)
     {"predict": lambda: predict(a.out, a.models), "verify": lambda: verify_all(a.out, a.models),
-     "check": lambda: check(a.out), "repeat": lambda: repeat(a.out, a.models[0], a.plans),
+     "check": lambda: check(a.out, a.verified), "repeat": lambda: repeat(a.out, a.models[0], a.plans),
      "fresh": lambda: fresh(a.out, a.models, a.plans), "one": lambda: one(a.models[0], a.plans[0])}[a.mode]()
 
 
