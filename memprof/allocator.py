@@ -193,13 +193,15 @@ class DeviceCounters:
 def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = None) -> int:
     """The workspace PyTorch takes from its caching allocator for each cuBLAS
     handle and stream, on a GPU of compute ``capability``: the sum of the
-    ``:SIZE_KiB:COUNT`` pairs of ``config`` (``CUBLAS_WORKSPACE_CONFIG``; no
-    pair gives none), by default ``:4096:8`` from Hopper on and
-    ``:4096:2:16:8`` before (aten/src/ATen/cuda/CublasHandlePool.cpp,
-    getChosenWorkspaceSize)."""
-    if config is None:
-        config = ":4096:8" if tuple(capability) >= (9, 0) else ":4096:2:16:8"
-    return sum(int(kib) * 1024 * int(count) for kib, count in re.findall(r":([0-9]+):([0-9]+)", config))
+    ``:SIZE_KiB:COUNT`` pairs of ``config`` (``CUBLAS_WORKSPACE_CONFIG``; one
+    with no pair is PyTorch's "Could not parse" warning and the default), by
+    default ``:4096:8`` from Hopper on and ``:4096:2:16:8`` before
+    (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize)."""
+    default = ":4096:8" if tuple(capability) >= (9, 0) else ":4096:2:16:8"
+    pairs = re.findall(r":([0-9]+):([0-9]+)", default if config is None else config)
+    if not pairs:
+        pairs = re.findall(r":([0-9]+):([0-9]+)", default)
+    return sum(int(kib) * 1024 * int(count) for kib, count in pairs)
 
 
 def cublas_workspace_size(index: int) -> int:
@@ -212,8 +214,9 @@ def cublas_workspace_size(index: int) -> int:
     get = getattr(torch._C, "_cuda_getCublasWorkspaceSize", None)
     if get is not None:
         return int(get())
-    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")  # the device matters only without it
-    return cublas_workspace_bytes(torch.cuda.get_device_capability(index) if config is None else (0, 0), config)
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")  # the device matters only without a pair in it
+    parsed = config is not None and re.search(r":([0-9]+):([0-9]+)", config)
+    return cublas_workspace_bytes((0, 0) if parsed else torch.cuda.get_device_capability(index), config)
 
 
 _device_counters: dict[int, DeviceCounters] = {}

@@ -5,7 +5,8 @@ It predicts what ``torch.cuda.memory_allocated()``, ``max_memory_allocated()``,
 allocations and frees, without a GPU.
 
 What is modelled is ``DeviceCachingAllocator`` of
-``c10/cuda/CUDACachingAllocator.cpp`` with ``max_split_size`` unlimited, no
+``c10/cuda/CUDACachingAllocator.cpp`` with ``max_split_size`` unlimited (or as
+``max_split_size_mb`` sets it: :attr:`CachingAllocatorModel.max_split_size`), no
 ``roundup_power2_divisions`` and no garbage collection threshold (their
 defaults), ``expandable_segments`` off or on, one device, any streams, no CUDA
 graphs. By default:
@@ -35,8 +36,12 @@ graphs. By default:
 * ``malloc``: when a new segment does not fit (here: ``capacity``, the bytes
   the allocator may reserve), free the cached whole segments and retry once,
   then raise (:class:`SimulatedOOM`). The cache stays released after an OOM,
-  as in PyTorch. ``release_available_cached_blocks`` does nothing unless
-  ``max_split_size`` is configured, so it is not modelled.
+  as in PyTorch. With ``max_split_size``, ``release_available_cached_blocks``
+  first frees cached oversize segments (the smallest that holds the request,
+  else the largest ones down) and retries before that.
+* ``max_split_size`` (``max_split_size_mb``): a block of that size or more is
+  never split, serves no smaller request and serves a larger one only where it
+  is less than ``max_non_split_rounding`` (20 MiB) larger.
 * Stats: ``increase_stat`` raises the peak to the current value,
   ``resetPeakStats`` sets every peak to its current value.
 * ``NativeCachingAllocator::allocate``: a 0-byte request allocates nothing.
@@ -70,8 +75,9 @@ A block freed while another stream uses it (``record_stream``) is held
 back in its pool) until freed; when that stream is done is for the caller to
 say (:class:`memprof.simulate.SimulatedAllocator`, with its clocks). Not
 modelled: CUDA graph private pools (the simulated device gives a capture a
-stream of its own instead), ``max_split_size_mb``,
-``roundup_power2_divisions``, garbage collection, and the real device's own
+stream of its own instead),
+``roundup_power2_divisions``, garbage collection (``garbage_collection_threshold``,
+which acts only under ``set_per_process_memory_fraction``), and the real device's own
 limits (CUDA context, other processes, fragmentation of device memory):
 ``capacity`` is the memory the device can give (``cudaMalloc`` failing; with
 expandable segments, ``cuMemCreate``). ``limit`` is
@@ -108,6 +114,7 @@ __all__ = [
     "allocator_settings",
     "expandable_segments_configured",
     "expandable_segments_setting",
+    "max_split_settings",
     "unmodelled_settings",
 ]
 
@@ -178,9 +185,26 @@ def expandable_segments_setting(settings: str, name: str = "allocator settings")
     return expandable
 
 
+def max_split_settings(settings: str, name: str = "allocator settings") -> tuple[int | None, int | None]:
+    """``max_split_size_mb`` and ``max_non_split_rounding_mb`` of an allocator settings string, in bytes
+    (None where not set), as ``AcceleratorAllocatorConfig`` parses them: the last setting wins and a
+    ``max_split_size_mb`` below 20 (kLargeBuffer) raises ``RuntimeError``."""
+    split = rounding = None
+    for key, value in _items(settings):
+        if key == "max_split_size_mb":
+            if int(value) < K_LARGE_BUFFER // 1048576:
+                raise RuntimeError(f"{name}={settings!r}: CachingAllocator option max_split_size_mb too small, "
+                                   f"must be >= {K_LARGE_BUFFER // 1048576} (PyTorch's own error at CUDA's initialisation)")
+            split = int(value) * 1048576
+        elif key == "max_non_split_rounding_mb":
+            rounding = int(value) * 1048576
+    return split, rounding
+
+
 #: Settings that change what the device allocator reserves, which the model does not follow.
-UNMODELLED = ("max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
-              "garbage_collection_threshold")
+#: (``garbage_collection_threshold`` acts only where ``torch.cuda.set_per_process_memory_fraction``
+#: set a limit: ``malloc`` calls ``garbage_collect_cached_blocks`` under ``set_fraction`` alone.)
+UNMODELLED = ("roundup_power2_divisions", "garbage_collection_threshold")
 
 
 def unmodelled_settings(settings: str) -> list[str]:
@@ -292,6 +316,11 @@ class CachingAllocatorModel:
         #: ``torch.cuda.set_per_process_memory_fraction``'s ``allowed_memory_maximum`` (bytes), or None.
         self.limit: int | None = None
         self.expandable_segments = expandable_segments
+        #: ``max_split_size_mb`` in bytes (None: unlimited, PyTorch's default): blocks of this size or more are
+        #: not split, serve no smaller request and serve a larger one only within ``max_non_split_rounding``.
+        self.max_split_size: int | None = None
+        #: ``max_non_split_rounding_mb`` in bytes (kLargeBuffer by default).
+        self.max_non_split_rounding: int = K_LARGE_BUFFER
         self.allocated = 0
         self.reserved = 0
         self.requested = 0
@@ -381,7 +410,9 @@ class CachingAllocatorModel:
         if i < len(pool) and pool[i][0] == stream:
             block = self._blocks[pool[i][2]]
             if block.expandable:
-                block = self._expandable_fit(pool, i)
+                block = self._expandable_fit(pool, i, size)
+            elif self._oversize_refused(block.size, size):
+                block = None
             else:
                 del pool[i]
                 if block.prev is None and block.next is None:
@@ -393,7 +424,8 @@ class CachingAllocatorModel:
 
         # should_split + alloc_found_block
         remaining = block.size - size
-        split = remaining >= K_MIN_BLOCK_SIZE if small or self.expandable_segments else remaining > K_SMALL_SIZE
+        split = (remaining >= K_MIN_BLOCK_SIZE if small or self.expandable_segments
+                 else remaining > K_SMALL_SIZE and (self.max_split_size is None or size < self.max_split_size))
         if split:
             rest = _Block(block.addr + size, remaining, small, block.segment, block.stream)
             rest.expandable = block.expandable  # and its stream: a block never changes stream
@@ -519,7 +551,7 @@ class CachingAllocatorModel:
         live = tuple((b.addr, b.size) for b in self._handles.values() if b is not None)
         return (live, tuple(sorted(self._segments.items())), tuple(self._free_small), tuple(self._free_large),
                 tuple(sorted(self._expandable.items())), tuple(self._unmapped_small), tuple(self._unmapped_large),
-                self.expandable_segments)
+                self.expandable_segments, self.max_split_size, self.max_non_split_rounding)
 
     def snapshot(self) -> list[dict]:
         """Segments sorted by address, in the shape of
@@ -617,7 +649,17 @@ class CachingAllocatorModel:
 
     # ------------------------------------------------------------ internals
 
-    def _expandable_fit(self, pool: list[tuple[int, int, int]], i: int) -> _Block | None:
+    def _oversize_refused(self, block_size: int, size: int) -> bool:
+        """``get_free_block``'s checks with ``max_split_size``: an oversize block serves no smaller request,
+        and a larger request only within ``max_non_split_rounding`` of its size."""
+        limit = self.max_split_size
+        if limit is None:
+            return False
+        if size < limit:
+            return block_size >= limit
+        return block_size >= size + self.max_non_split_rounding
+
+    def _expandable_fit(self, pool: list[tuple[int, int, int]], i: int, size: int = 0) -> _Block | None:
         """``get_free_block`` where the best fit, ``pool[i]``, is a block of an expandable segment."""
         blocks = self._blocks
         block = blocks[pool[i][2]]
@@ -634,6 +676,8 @@ class CachingAllocatorModel:
                 if i == len(pool) or pool[i][0] != block.stream:
                     return None
                 block = blocks[pool[i][2]]
+        if self._oversize_refused(block.size, size):
+            return None
         del pool[i]
         if block.prev is None and block.next is None and not block.expandable:
             del self._whole_free[block.addr]
@@ -642,8 +686,9 @@ class CachingAllocatorModel:
     def _alloc_block(self, nbytes: int, size: int, small: bool, stream: int) -> _Block:
         """``alloc_block``, with malloc's retry after ``release_cached_blocks``."""
         block = self._try_alloc(size, small, stream)
+        if block is None and self._release_available_cached_blocks(size, small, stream):
+            block = self._try_alloc(size, small, stream)
         if block is None:
-            # release_available_cached_blocks is a no-op without max_split_size;
             # release_cached_blocks frees every whole cached segment and free page, then retry.
             self._release_cached_blocks()
             self.num_alloc_retries += 1
@@ -653,6 +698,40 @@ class CachingAllocatorModel:
                 bound = min(b for b in (self.capacity, self.limit) if b is not None)
                 raise SimulatedOOM(nbytes, get_allocation_size(size), self.reserved, self.allocated, bound)
         return block
+
+    def _release_available_cached_blocks(self, size: int, small: bool, stream: int) -> bool:
+        """``release_available_cached_blocks`` (a no-op without ``max_split_size``): cudaFree the smallest
+        cached oversize block of ``stream`` that holds ``size`` (at least ``max_split_size``), else the
+        largest ones down until as much is freed; whether enough was."""
+        limit = self.max_split_size
+        if limit is None:
+            return False
+        pool = self._free_small if small else self._free_large
+        want = max(size, limit)
+        i = bisect_left(pool, (stream, want))
+        if i < len(pool) and pool[i][0] == stream and not self._blocks[pool[i][2]].expandable:
+            return self._release_block(pool, i)
+        released = 0
+        i -= 1
+        while released < want and i >= 0 and pool[i][0] == stream and pool[i][1] >= limit:
+            if not self._blocks[pool[i][2]].expandable:
+                released += pool[i][1]
+                self._release_block(pool, i)
+            i -= 1
+        return released >= want
+
+    def _release_block(self, pool: list[tuple[int, int, int]], i: int) -> bool:
+        """``release_block`` of the free block ``pool[i]``, a whole segment (an oversize block is never split)."""
+        block = self._blocks[pool[i][2]]
+        if block.prev is not None or block.next is not None:
+            return False
+        del pool[i]
+        del self._blocks[block.addr]
+        del self._segments[block.addr]
+        self._whole_free.pop(block.addr, None)
+        self.reserved -= block.size
+        self.num_device_free += 1
+        return True
 
     def _try_alloc(self, size: int, small: bool, stream: int) -> _Block | None:
         """A new segment (cudaMalloc), or with expandable segments the pages a block lacks; None where the

@@ -21,6 +21,7 @@ import copy
 import logging
 import os
 import threading
+import warnings
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from torch.utils.flop_counter import flop_registry
 from .allocator import Counters, cublas_workspace_bytes
 from .aten_args import PYTORCH_NAMESPACES, decomposes, tensors
 from .caching import (CachingAllocatorModel, SimulatedOOM, allocator_settings, expandable_segments_setting,
-                      unmodelled_settings)
+                      max_split_settings, unmodelled_settings)
 from .cuda_api import current_stream_id
 from .cudnn import CONVOLUTIONS, cudnn_layout, tf32_allowed
 from .devices import GPU, get_gpu
@@ -252,6 +253,8 @@ class SimulatedAllocator(TorchDispatchMode):
         self._pending: list[tuple[float, int]] = []
         #: cuBLAS's workspaces taken so far, by thread (autograd's: True, or the training thread's) and stream.
         self._workspaces: dict[tuple[bool, int], int] = {}
+        self._cublas_bytes: int | None = None  # read at the first workspace, as PyTorch reads it
+        self._cublas_deterministic: bool | None = None  # likewise, at the first product in deterministic mode
         # Peaks (allocated, reserved) folded in before memprof's own resets.
         self._kept = (0, 0)
         #: The script's own meta tensors, not the GPU's (``virtual_cuda.MetaTensors``), where told apart.
@@ -365,7 +368,34 @@ class SimulatedAllocator(TorchDispatchMode):
 
     def workspaces(self, known: Callable[[], set[int]]) -> int:
         """cuBLAS's workspaces: one per thread and stream that has run a matrix product."""
-        return len(self._workspaces) * cublas_workspace_bytes(self.gpu.compute_capability)
+        return len(self._workspaces) * self._cublas_workspace_size()
+
+    def _alert_cublas_not_deterministic(self) -> None:
+        """``Context::alertCuBLASConfigNotDeterministic`` (aten/src/ATen/Context.cpp), which cuBLAS's
+        products call: in deterministic mode with CUBLAS_WORKSPACE_CONFIG other than ``:4096:8`` or
+        ``:16:8`` (read once, at the first), PyTorch's error, or its warning with ``warn_only=True``."""
+        if self._cublas_deterministic is None:
+            self._cublas_deterministic = os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")
+        if self._cublas_deterministic:
+            return
+        msg = ("Deterministic behavior was enabled with either `torch.use_deterministic_algorithms(True)` or "
+               "`at::Context::setDeterministicAlgorithms(true)`, but this operation is not deterministic because "
+               "it uses CuBLAS and you have CUDA >= 10.2. To enable deterministic behavior in this case, you must "
+               "set an environment variable before running your PyTorch application: CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+               "or CUBLAS_WORKSPACE_CONFIG=:16:8. For more information, go to "
+               "https://docs.nvidia.com/cuda/cublas/index.html#results-reproducibility")
+        if torch.is_deterministic_algorithms_warn_only_enabled():
+            warnings.warn(msg)
+        else:
+            raise RuntimeError(msg)
+
+    def _cublas_workspace_size(self) -> int:
+        """Each cuBLAS workspace's bytes on the target: ``CUBLAS_WORKSPACE_CONFIG`` as the script's
+        environment has it when the first is taken (getChosenWorkspaceSize), else the GPU's default."""
+        if self._cublas_bytes is None:
+            self._cublas_bytes = cublas_workspace_bytes(self.gpu.compute_capability,
+                                                        os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        return self._cublas_bytes
 
     def empty_cache(self) -> None:
         self._process_events(everything=True)
@@ -487,6 +517,11 @@ class SimulatedAllocator(TorchDispatchMode):
         self._configured = True
         if expandable is not None:
             self.model.expandable_segments = expandable
+        split, rounding = max_split_settings(settings, name)
+        if split is not None:
+            self.model.max_split_size = split
+        if rounding is not None:
+            self.model.max_non_split_rounding = rounding
         unmodelled = unmodelled_settings(settings)
         if unmodelled and self.note is not None:
             self.note("allocator settings", f"{', '.join(unmodelled)} ({name}) not modelled: reserved memory as "
@@ -590,13 +625,15 @@ class SimulatedAllocator(TorchDispatchMode):
             out, *cudnn = cudnn_layout(func, args, out)
         backward = torch._C._current_graph_task_id() != -1  # autograd's engine is running
         matmul = func.__name__.split(".")[0] in _MATMUL_OPS or _nested_linear(func, args)
+        if matmul and torch.are_deterministic_algorithms_enabled():
+            self._alert_cublas_not_deterministic()
         if matmul and (key := (backward, current_stream_id())) not in self._workspaces:
             # PyTorch keeps a cuBLAS workspace per handle and stream, and a handle per thread
             # (aten/src/ATen/cuda/CublasHandlePool.cpp): the training thread's, and on a GPU
             # autograd's device thread's, which runs backward's kernels, each on every stream it
             # ran one on (a side stream's warm-up, a graph's capture). Each is taken at the
             # pair's first matrix product and kept for the process's life.
-            self._workspaces[key] = self._malloc(cublas_workspace_bytes(self.gpu.compute_capability))
+            self._workspaces[key] = self._malloc(self._cublas_workspace_size())
         made = [self._allocate(s) for t in tensors(out) if t.is_meta for s in _storages(t)]
         if func in REDUCTIONS and isinstance(out, torch.Tensor) and out.is_meta:
             staging = staging_bytes(func, args, out, self.gpu)

@@ -24,6 +24,8 @@ def test_workspace_sizes_follow_pytorchs_settings(rules):
     assert allocator.cublas_workspace_size(0) == 32 * MiB  # Hopper's default
     rules.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
     assert allocator.cublas_workspace_size(0) == 8 * MiB + 128 * 1024
+    rules.setenv("CUBLAS_WORKSPACE_CONFIG", "4096:8")  # no :SIZE:COUNT pair: PyTorch warns and takes its default
+    assert allocator.cublas_workspace_size(0) == 8 * MiB + 128 * 1024
     rules.setenv("CUBLAS_WORKSPACE_CONFIG", ":0:0")  # no workspace: nothing to look for
     assert allocator.cublas_workspace_size(0) == 0
     assert allocator.DeviceCounters(torch.device("cuda", 0)).workspaces(lambda: set()) == 0

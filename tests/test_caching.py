@@ -784,11 +784,54 @@ def test_expandable_segments_setting_other_than_true_or_false_is_pytorchs_error(
 @pytest.mark.parametrize("settings,unmodelled", [
     ("expandable_segments:True", []),
     ("backend:native,expandable_segments:True,pinned_use_cuda_host_register:True", []),
-    ("max_split_size_mb:128, garbage_collection_threshold:0.6", ["max_split_size_mb:128",
-                                                                 "garbage_collection_threshold:0.6"]),
+    ("max_split_size_mb:128, garbage_collection_threshold:0.6", ["garbage_collection_threshold:0.6"]),
+    ("max_split_size_mb:128,max_non_split_rounding_mb:64", []),
     ("roundup_power2_divisions:[256:1,512:2,>:8],expandable_segments:False",
      ["roundup_power2_divisions:[256:1,512:2,>:8]"]),
     ("backend:cudaMallocAsync", ["backend:cudaMallocAsync"]),
 ])
 def test_settings_the_model_does_not_follow_are_named(settings, unmodelled):
     assert caching.unmodelled_settings(settings) == unmodelled
+
+
+def test_max_split_size_is_read_as_pytorch_reads_it():
+    assert caching.max_split_settings("max_split_size_mb:128, garbage_collection_threshold:0.8") == (128 * MiB, None)
+    assert caching.max_split_settings("max_split_size_mb:512,max_non_split_rounding_mb:64") == (512 * MiB, 64 * MiB)
+    assert caching.max_split_settings("expandable_segments:True") == (None, None)
+    with pytest.raises(RuntimeError, match="max_split_size_mb too small, must be >= 20"):
+        caching.max_split_settings("max_split_size_mb:10")
+
+
+def test_an_oversize_block_serves_no_smaller_request_and_is_not_split():
+    """With max_split_size (128 MiB), a cached 200 MiB block is not split for an 8 MiB request (a
+    20 MiB segment is made instead), serves a 190 MiB one whole (within kLargeBuffer), not a 150 MiB one."""
+    m = CachingAllocatorModel()
+    m.max_split_size = 128 * MiB
+    h = m.malloc(200 * MiB)
+    m.free(h)
+    small = m.malloc(8 * MiB)
+    assert m.reserved == 220 * MiB and m.size_of(small) == 8 * MiB
+    m.free(small)
+    h = m.malloc(190 * MiB)
+    assert m.size_of(h) == 200 * MiB and m.reserved == 220 * MiB  # the whole block, not split
+    m.free(h)
+    h = m.malloc(150 * MiB)  # 200 >= 150 + 20: refused, a segment of its own
+    assert m.reserved == 370 * MiB and m.size_of(h) == 150 * MiB
+    m.check_invariants()
+    unlimited = CachingAllocatorModel()
+    unlimited.free(unlimited.malloc(200 * MiB))
+    unlimited.malloc(8 * MiB)
+    assert unlimited.reserved == 200 * MiB  # split as before
+
+
+def test_release_available_cached_blocks_frees_an_oversize_block_before_the_whole_cache():
+    m = CachingAllocatorModel(capacity=350 * MiB)
+    m.max_split_size = 128 * MiB
+    m.malloc(30 * MiB)
+    cached = m.malloc(30 * MiB)
+    big = m.malloc(200 * MiB)
+    m.free(cached)
+    m.free(big)
+    m.malloc(150 * MiB)  # the 200 MiB block is refused (>= 150 + 20); 260 + 150 > 350: it is freed, not the 30 MiB one
+    assert m.reserved == 210 * MiB and m.num_alloc_retries == 0 and m.num_device_free == 1
+    m.check_invariants()

@@ -896,7 +896,7 @@ def test_expandable_segments_asked_for_by_the_script_are_simulated(tmp_path, cle
 def test_allocator_settings_that_are_not_modelled_are_noted(tmp_path, clean):
     source = """
         import os
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,garbage_collection_threshold:0.8")
         import torch
         model = torch.nn.Linear(256, 256).cuda()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -905,8 +905,30 @@ def test_allocator_settings_that_are_not_modelled_are_noted(tmp_path, clean):
     """
     report = observe_script(write(tmp_path, source), steps=2, target="h200")
     assert report.meta["simulation_notes"]["allocator settings"] == (
-        "max_split_size_mb:128 (PYTORCH_CUDA_ALLOC_CONF) not modelled: reserved memory as PyTorch's allocator "
-        "reserves it without them")
+        "garbage_collection_threshold:0.8 (PYTORCH_CUDA_ALLOC_CONF) not modelled: reserved memory as PyTorch's "
+        "allocator reserves it without them")
+
+
+def test_max_split_size_asked_for_by_the_script_is_simulated(tmp_path, clean):
+    """max_split_size_mb:128: a freed 200 MiB tensor is not split for the step's smaller tensors, so the next
+    step's 200 MiB one finds it whole; without it they are split off it, and the next 200 MiB tensor takes a
+    segment of its own (the fragmentation the setting is for)."""
+    source = """
+        import os
+        {setting}
+        import torch
+        model = torch.nn.Linear(1024, 1024, bias=False).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(10):
+            big = torch.randn(50 * 1024 * 1024, device="cuda"); del big
+            model(torch.randn(2048, 1024, device="cuda")).sum().backward(); opt.step(); opt.zero_grad()
+    """
+    reserved = {}
+    for name, setting in (("default", ""), ("split", 'os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:128"')):
+        report = observe_script(write(tmp_path, source.replace("{setting}", setting)), steps=2, target="h200")
+        assert "allocator settings" not in report.meta.get("simulation_notes", {})
+        reserved[name] = report.steps["peak_reserved"].iloc[-1]
+    assert reserved["split"] < reserved["default"]
 
 
 # pytorch/examples' word language model and the "what is torch.nn really" tutorial train

@@ -730,6 +730,54 @@ def test_a_cublas_workspace_per_thread_that_runs_matrix_products():
         assert alloc.workspaces(set) == 2 * 32 * MiB
 
 
+@pytest.mark.parametrize("config,target,each", [
+    (None, "h100", 32 * MiB), (":16:8", "h100", 128 * 1024), (":4096:8", "a100-80gb", 32 * MiB),
+    (None, "a100-80gb", 8 * MiB + 128 * 1024),
+])
+def test_cublas_workspaces_follow_cublas_workspace_config(monkeypatch, config, target, each):
+    """CUBLAS_WORKSPACE_CONFIG (a reproducibility habit: ``:16:8`` or ``:4096:8``) sizes each workspace as
+    PyTorch's parseChosenWorkspaceSize does, on the simulated GPU too."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    if config is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
+    gpu = get_gpu(target)
+    alloc = SimulatedAllocator(gpu)
+    with VirtualCUDA(gpu, allocator=alloc):
+        w = torch.randn(512, 512, device="cuda", requires_grad=True)
+        (torch.randn(512, 512, device="cuda") @ w).sum().backward()
+        assert alloc.workspaces(set) == 2 * each
+
+
+@pytest.mark.parametrize("config,raises", [(None, True), (":4096:2:16:8", True), (":16:8", False), (":4096:8", False)])
+def test_deterministic_mode_needs_a_deterministic_cublas_config(monkeypatch, config, raises):
+    """torch.use_deterministic_algorithms(True) without CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8: the first
+    cuBLAS product raises on a GPU (Context::alertCuBLASConfigNotDeterministic), and on the simulated one."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import SimulatedAllocator
+
+    if config is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
+    gpu = get_gpu("h100")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with VirtualCUDA(gpu, allocator=SimulatedAllocator(gpu)):
+            x = torch.randn(64, 64, device="cuda")
+            if raises:
+                with pytest.raises(RuntimeError, match="CUBLAS_WORKSPACE_CONFIG=:4096:8 or CUBLAS_WORKSPACE_CONFIG=:16:8"):
+                    x @ x
+            else:
+                x @ x
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
     """Matrix products on tensor cores, in fp32, 16-bit ones with a dimension
     that is not a multiple of 16 bytes, convolutions, fused attention,
