@@ -55,6 +55,7 @@ from .advisor import (Advice, PlanFactory, _adjusted, _name, _progress, _spread,
 from .caching import expandable_segments_configured
 from .hooks import Shared, in_torch_func
 from .devices import GPU, get_gpu
+from .frames import _locals
 from .report import Report
 from .runner import ScriptError, observe_script, raised
 from .tracker import _storage, _wrapped, active_tracker, own_forward
@@ -496,7 +497,9 @@ def _lengths_beside(batch: int, frames: int = 6) -> list[torch.Tensor]:
     for _ in range(frames):
         if frame is None:
             break
-        values = frame.f_locals.values()
+        # (frames._locals, not frame.f_locals: before Python 3.13 its snapshot, kept by the frame, would
+        # hold every variable's value past its rebinding: a micro-batch's logits through the next one's)
+        values = [v for _, v in _locals(frame)]
         found += [t for t in leaves(*(v for v in values if not isinstance(v, (list, tuple, dict)) or len(v) <= 64))
                   if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 1 and len(t) == batch
                   and not t.is_floating_point() and not t.is_complex() and t.dtype is not torch.bool]

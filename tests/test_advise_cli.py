@@ -2304,3 +2304,27 @@ def test_each_plan_is_measured_on_a_step_like_the_baselines(tmp_path):
     # micro-batches run the same kernels on fewer rows: a step of K of them is never faster
     assert seconds["baseline"] < seconds["accum2"] < seconds["accum4"] < seconds["accum8"]
     assert data["varying_batch_shapes"] == []
+
+
+def test_looking_for_a_batchs_lengths_keeps_no_variable_alive():
+    """The script door looks for per-sample lengths among its callers' variables. Read through
+    ``frame.f_locals``, before Python 3.13 the frame kept a snapshot of every variable: a micro-batch's
+    logits lived on through the next micro-batch's step, after the script had rebound the name."""
+    import weakref
+
+    from memprof.script_advice import _lengths_beside
+
+    def copy_batch(batch):  # the code moving the batch to the device, one frame below the loop
+        return _lengths_beside(batch)
+
+    def loop():
+        logits = torch.ones(8, 16)
+        gone = weakref.ref(logits)
+        lengths = torch.arange(8)
+        found = copy_batch(8)
+        logits = None  # rebound: nothing else holds it, while this frame runs on (the next micro-batch)
+        return gone() is None, found, lengths
+
+    freed, found, lengths = loop()
+    assert freed
+    assert len(found) == 1 and found[0] is lengths
