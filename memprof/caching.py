@@ -411,7 +411,7 @@ class CachingAllocatorModel:
             block = self._blocks[pool[i][2]]
             if block.expandable:
                 block = self._expandable_fit(pool, i, size)
-            elif self._oversize_refused(block.size, size):
+            elif self.max_split_size is not None and self._oversize_refused(block.size, size):
                 block = None
             else:
                 del pool[i]
