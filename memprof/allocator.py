@@ -190,6 +190,10 @@ class DeviceCounters:
         return total
 
 
+#: A ``:SIZE_KiB:COUNT`` pair of ``CUBLAS_WORKSPACE_CONFIG``.
+_PAIR = re.compile(r":([0-9]+):([0-9]+)")
+
+
 def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = None) -> int:
     """The workspace PyTorch takes from its caching allocator for each cuBLAS
     handle and stream, on a GPU of compute ``capability``: the sum of the
@@ -198,9 +202,7 @@ def cublas_workspace_bytes(capability: tuple[int, int], config: str | None = Non
     default ``:4096:8`` from Hopper on and ``:4096:2:16:8`` before
     (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize)."""
     default = ":4096:8" if tuple(capability) >= (9, 0) else ":4096:2:16:8"
-    pairs = re.findall(r":([0-9]+):([0-9]+)", default if config is None else config)
-    if not pairs:
-        pairs = re.findall(r":([0-9]+):([0-9]+)", default)
+    pairs = _PAIR.findall(default if config is None else config) or _PAIR.findall(default)
     return sum(int(kib) * 1024 * int(count) for kib, count in pairs)
 
 
@@ -215,7 +217,7 @@ def cublas_workspace_size(index: int) -> int:
     if get is not None:
         return int(get())
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")  # the device matters only without a pair in it
-    parsed = config is not None and re.search(r":([0-9]+):([0-9]+)", config)
+    parsed = config is not None and _PAIR.search(config)
     return cublas_workspace_bytes((0, 0) if parsed else torch.cuda.get_device_capability(index), config)
 
 
