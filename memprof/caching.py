@@ -726,12 +726,16 @@ class CachingAllocatorModel:
         if block.prev is not None or block.next is not None:
             return False
         del pool[i]
+        self._whole_free.pop(block.addr, None)
+        self._free_segment(block)
+        return True
+
+    def _free_segment(self, block: _Block) -> None:
+        """cudaFree of a whole free segment, out of its pool already."""
         del self._blocks[block.addr]
         del self._segments[block.addr]
-        self._whole_free.pop(block.addr, None)
         self.reserved -= block.size
         self.num_device_free += 1
-        return True
 
     def _try_alloc(self, size: int, small: bool, stream: int) -> _Block | None:
         """A new segment (cudaMalloc), or with expandable segments the pages a block lacks; None where the
@@ -890,13 +894,10 @@ class CachingAllocatorModel:
         and no next (a whole segment; split segments are kept), unmap the
         whole pages of every free block of an expandable segment and release
         a segment left with nothing mapped."""
-        for addr, block in self._whole_free.items():
+        for block in self._whole_free.values():
             pool = self._free_small if block.small else self._free_large
             del pool[bisect_left(pool, _key(block))]
-            del self._blocks[addr]
-            del self._segments[addr]
-            self.reserved -= block.size
-            self.num_device_free += 1
+            self._free_segment(block)
         self._whole_free.clear()
         if not self._expandable:
             return
