@@ -15,7 +15,8 @@ of the same operators:
 * matrix products: their arithmetic from the measured shapes (2 M N K per
   product) over their measured time, at the rate they run at, for the
   products the arithmetic bounds (fp32; TF32; 16-bit; on tensor cores with a
-  dimension that is not a multiple of 16 bytes, at the 16-bit rate);
+  dimension that is not a multiple of 16 bytes, at the 16-bit rate, 16-bit
+  ones with even dimensions apart);
 * convolutions and fused attention: the simulated arithmetic over the
   measured time, at the rate they run at (16-bit, or TF32 as cuDNN allows
   convolutions by default; the attention backend the GPU ran may differ
@@ -198,8 +199,9 @@ def fit(out: Path) -> None:
             if flops / rate < nbytes / gpu.memory_bandwidth:
                 continue  # the bytes bound it: says nothing of the arithmetic rate
             kind = ("fp32", "TF32", "16-bit")[precision]
-            if precision and any(x % (16 // size) for x in (m, k, n)):
-                kind, rate = "misaligned, of the 16-bit rate", rates[2]  # on tensor cores (TimeModel.seconds)
+            if precision and any(x % (16 // size) for x in (m, k, n)):  # the shapes stand for the leading dimensions
+                even = size == 2 and not any(x % 2 for x in (m, k, n))
+                kind, rate = f"misaligned{', even' if even else ''}, of the 16-bit rate", rates[2]  # TimeModel.seconds
             rows["matmul " + kind].append((flops / rate, calls, seconds))
         for family, (calls, flops, nbytes, kind, precision) in sim.items():
             if family in {_family(name) for name in GEMM} or family not in families:  # priced from their shapes

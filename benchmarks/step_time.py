@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from suite import workload  # noqa: E402
 
 from memprof.advisor import _measure, default_plans  # noqa: E402
-from memprof.simulate import ATTENTION, CONVOLUTION, MISALIGNED, NATIVE_BATCH_NORM, STREAMING, TimeModel  # noqa: E402
+from memprof.simulate import (  # noqa: E402
+    ATTENTION, CONVOLUTION, MISALIGNED, MISALIGNED_EVEN, NATIVE_BATCH_NORM, STREAMING, TimeModel)
 
 SETS = {
     "fit": [("gpt2", (16, 1024)), ("gpt2", (4, 256)), ("bert", (32, 512)), ("deep_mlp", (64,)), ("resnet50", (64,))],
@@ -118,13 +119,13 @@ def trace(model: str, size: tuple, plan: str, gpu, synchronous_pack: bool) -> np
 COLUMNS = 8  # of a trace row; a cached trace of another width is made again
 #: TimeModel's kernel efficiencies, measured kernel by kernel (benchmarks/kernel_time.py), not fitted here.
 PER_KERNEL = ("flop_efficiency", "tf32_flop_efficiency", "fp32_flop_efficiency", "misaligned_flop_efficiency",
-              "convolution_flop_efficiency", "attention_flop_efficiency", "bandwidth_efficiency",
-              "streaming_bandwidth_efficiency", "native_batch_norm_bandwidth_efficiency")
+              "misaligned_even_flop_efficiency", "convolution_flop_efficiency", "attention_flop_efficiency",
+              "bandwidth_efficiency", "streaming_bandwidth_efficiency", "native_batch_norm_bandwidth_efficiency")
 #: TimeModel's constants, in the order step_seconds takes them.
 PARAMS = tuple(f.name for f in fields(TimeModel))
 
 
-def step_seconds(tr: np.ndarray, gpu, fe: float, te: float, f32e: float, mfe: float, ce: float, ae: float,
+def step_seconds(tr: np.ndarray, gpu, fe: float, te: float, f32e: float, mfe: float, mee: float, ce: float, ae: float,
                  be: float, sbe: float, nbe: float, per_kernel: float, host_forward: float, host_backward: float,
                  host_convolution: float, host_recompute: float, link: float, host_hook: float,
                  extra_host: float = 0.0) -> float:
@@ -145,9 +146,11 @@ def step_seconds(tr: np.ndarray, gpu, fe: float, te: float, f32e: float, mfe: fl
     host = np.where(kind == -4, host_hook, ops * (phase + np.where(rec, host_recompute, 0.0)))  # -4: a hook call
     rates = np.array([gpu.fp32_tflops, gpu.tf32_tflops or gpu.bf16_tflops / 2, gpu.bf16_tflops]) * 1e12
     precision = np.clip(kind, 0, 2).astype(int)
-    misaligned = (kinds == MISALIGNED) & (precision > 0)  # on tensor cores: of the 16-bit rate (TimeModel.seconds)
-    shares = np.select([kinds == CONVOLUTION, kinds == ATTENTION, misaligned, precision == 0, precision == 1],
-                       [ce, ae, mfe, f32e, te], fe)
+    # on tensor cores: of the 16-bit rate (TimeModel.seconds)
+    odd, even = ((kinds == k) & (precision > 0) for k in (MISALIGNED, MISALIGNED_EVEN))
+    misaligned = odd | even
+    shares = np.select([kinds == CONVOLUTION, kinds == ATTENTION, odd, even, precision == 0, precision == 1],
+                       [ce, ae, mfe, mee, f32e, te], fe)
     rates = np.where(misaligned, rates[2], rates[precision]) * shares
     kernel, transfer = kind >= 0, (kind == -2) | (kind == -3)
     bandwidth = gpu.memory_bandwidth * np.select([kinds == STREAMING, kinds == NATIVE_BATCH_NORM], [sbe, nbe], be)

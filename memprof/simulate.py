@@ -112,16 +112,19 @@ class TimeModel:
     #: a matrix product on 16-bit tensor cores, on TF32 ones, in fp32 (no
     #: tensor cores), a convolution (cuDNN, NCHW), a fused attention kernel
     #: (flash, memory-efficient, cuDNN), each of its arithmetic rate;
-    #: a product on tensor cores with a dimension that is not a multiple of
-    #: 16 bytes, of the 16-bit rate whatever its precision (cuBLAS's kernels for
-    #: such rows run at about the same rate in TF32 and bf16); an elementwise
+    #: a product on tensor cores with a leading dimension that is not a multiple
+    #: of 16 bytes, of the 16-bit rate whatever its precision (cuBLAS's kernels for
+    #: such rows run at about the same rate in TF32 and bf16), twice that for a
+    #: 16-bit product whose leading dimensions are all even (4-byte aligned:
+    #: benchmarks/matmul_alignment.py, 72 products of each on an H200); an elementwise
     #: kernel, PyTorch's own batch norm (where cuDNN's is not used) and any other
     #: kernel (reductions, normalisations, softmax, gathers, scatters) of the
     #: memory bandwidth.
     flop_efficiency: float = 0.873
     tf32_flop_efficiency: float = 0.710
     fp32_flop_efficiency: float = 0.746
-    misaligned_flop_efficiency: float = 0.139
+    misaligned_flop_efficiency: float = 0.126
+    misaligned_even_flop_efficiency: float = 0.260
     convolution_flop_efficiency: float = 0.205
     attention_flop_efficiency: float = 0.480
     bandwidth_efficiency: float = 0.429
@@ -181,6 +184,8 @@ class TimeModel:
             flop_efficiency = self.attention_flop_efficiency
         elif kind == MISALIGNED and tensor_cores:
             rate, flop_efficiency = half, self.misaligned_flop_efficiency
+        elif kind == MISALIGNED_EVEN and tensor_cores:
+            rate, flop_efficiency = half, self.misaligned_even_flop_efficiency
         compute = flops / (rate * 1e12 * flop_efficiency) if flops else 0.0
         efficiency = self.bandwidth_efficiency
         if kind == STREAMING:
@@ -908,7 +913,7 @@ def _causal_share(func, args: tuple, kwargs: dict) -> float:
 
 
 #: Kinds of kernel, by how much of the datasheet they reach (TimeModel).
-OTHER, STREAMING, MISALIGNED, CONVOLUTION, ATTENTION, NATIVE_BATCH_NORM = 0, 1, 2, 3, 4, 5
+OTHER, STREAMING, MISALIGNED, CONVOLUTION, ATTENTION, NATIVE_BATCH_NORM, MISALIGNED_EVEN = 0, 1, 2, 3, 4, 5, 6
 
 # Kernels that read and write every element once, in order, with no reduction
 # across elements, besides those PyTorch tags pointwise: copies and casts
@@ -942,11 +947,15 @@ def _kernel_kind(func, args: tuple) -> int:
     through memory and reaches more of the bandwidth than reductions,
     normalisations, softmax, gathers and scatters (whose blocks wait on one
     another or read with strides); ``MISALIGNED`` for a matrix product
-    with a dimension that is not a multiple of 16 bytes: tensor cores
+    with a leading dimension (an operand's row stride as cuBLAS gets it, or the
+    result's row) that is not a multiple of 16 bytes: tensor cores
     (16-bit, TF32) need 16-byte aligned rows (NVIDIA's Matrix Multiplication
     Background guide, "Requirements to use Tensor Cores"), and cuBLAS falls
     back to slower kernels (a vocabulary of 50257 is why nanoGPT pads it to
-    50304); ``CONVOLUTION`` for a convolution, ``ATTENTION`` for a fused
+    50304); ``MISALIGNED_EVEN`` for a 16-bit one whose leading dimensions are
+    all even (BERT's 30522), which cuBLAS runs on kernels twice as fast as
+    for odd ones; a dimension that is no operand's leading one (a linear
+    layer's tokens) does not matter; ``CONVOLUTION`` for a convolution, ``ATTENTION`` for a fused
     attention kernel (two products with a softmax between them, in one
     kernel); ``NATIVE_BATCH_NORM`` for a batch norm that PyTorch runs with its
     own kernel instead of cuDNN's; else ``OTHER``."""
@@ -959,13 +968,28 @@ def _kernel_kind(func, args: tuple) -> int:
         return NATIVE_BATCH_NORM
     if name in _GEMM_OPERANDS:
         a, b = (args[i] for i in _GEMM_OPERANDS[name])
-        per_16_bytes = 16 // a.element_size()
-        if a.is_floating_point() and any(n % per_16_bytes for n in (*a.shape[-2:], b.shape[-1])):
-            return MISALIGNED  # on tensor cores (16-bit, TF32): TimeModel.seconds
-        return OTHER
+        size = a.element_size()
+        rows = [_leading_dimension(a) * size, _leading_dimension(b) * size, b.shape[-1] * size]
+        if not a.is_floating_point() or not any(r % 16 for r in rows):
+            return OTHER
+        # on tensor cores (16-bit, TF32): TimeModel.seconds
+        return MISALIGNED_EVEN if size == 2 and not any(r % 4 for r in rows) else MISALIGNED
     if torch.Tag.pointwise in func.tags or name in _STREAMING or name.startswith("_foreach_"):
         return STREAMING
     return OTHER
+
+
+def _leading_dimension(t: torch.Tensor) -> int:
+    """The row stride cuBLAS gets for a matrix operand (its last two
+    dimensions), as ATen's ``prepare_matrix_for_cublas`` (native/cuda/Blas.cpp)
+    hands it over: a matrix with unit stride along one dimension and room
+    along the other as it is (transposed or not), any other copied contiguous."""
+    (rows, cols), (row_stride, col_stride) = t.shape[-2:], t.stride()[-2:]
+    if col_stride == 1 and row_stride >= max(1, cols):
+        return row_stride
+    if row_stride == 1 and col_stride >= max(1, rows):
+        return col_stride
+    return cols
 
 
 #: Meta kernels' results by signature, shared by every simulation in the process.

@@ -853,6 +853,46 @@ def test_each_kind_of_kernel_at_its_share_of_the_datasheet():
     assert misaligned / aligned > 50257 / 4096 * 2
 
 
+def test_a_products_alignment_is_that_of_its_leading_dimensions():
+    """cuBLAS's tensor-core kernels need 16-byte aligned rows; what counts is
+    each operand's row stride as ATen hands it over (transposed views as they
+    are) and the result's row, not a dimension that is no operand's leading
+    one, like a linear layer's tokens; a 16-bit product whose leading
+    dimensions are all even runs at twice the rate of an odd one
+    (benchmarks/matmul_alignment.py)."""
+    from memprof.devices import get_gpu
+    from memprof.simulate import MISALIGNED, MISALIGNED_EVEN, OTHER, SimulatedAllocator, TimeModel
+
+    gpu, tm = get_gpu("H200-141GB"), TimeModel()
+    alloc = SimulatedAllocator(gpu)
+    bf16 = torch.bfloat16
+    with VirtualCUDA(gpu, allocator=alloc):
+        alloc.trace = []
+        x = torch.empty(1023, 768, device="cuda", dtype=bf16)  # 1023 tokens: no operand's leading dimension
+        head = torch.empty(30522, 768, device="cuda", dtype=bf16)  # BERT's vocabulary: even, not a multiple of 8
+        g = F.linear(x, head)  # x @ head.T: leading dimensions 768, 768 and the result's 30522
+        g @ head  # the input's gradient: 30522, 768, 768
+        g.t() @ x  # the weight's gradient: 30522 (g transposed as it is), 768, 768
+        x @ torch.empty(768, 4096, device="cuda", dtype=bf16)  # aligned, 1023 tokens or not
+        x @ torch.empty(4096, 768, device="cuda", dtype=bf16).t()  # a transposed operand's row is its stride: 768
+        x @ torch.empty(768, 50257, device="cuda", dtype=bf16)  # GPT-2's vocabulary: odd
+        x[:, :766] @ torch.empty(766, 4096, device="cuda", dtype=bf16)  # a slice keeps its row stride (768)
+        q = torch.empty(4, 1023, 64, device="cuda", dtype=bf16)
+        q.transpose(1, 2) @ q  # batched, (64 x 1023) @ (1023 x 64): rows of 64 (the 1023 are summed over)
+        q @ q.transpose(1, 2)  # (1023 x 64) @ (64 x 1023): the result's rows are 1023 long
+    kinds = [row[7] for row in alloc.trace if row[2] >= 0]
+    assert kinds == [MISALIGNED_EVEN] * 3 + [OTHER, OTHER, MISALIGNED, OTHER, OTHER, MISALIGNED]
+
+    flops = 2 * 16384 * 768 * 30522
+    tensor_cores = gpu.bf16_tflops * 1e12
+    assert tm.seconds(gpu, flops, 0, bf16, kind=MISALIGNED_EVEN) == (
+        flops / (tensor_cores * tm.misaligned_even_flop_efficiency) + tm.per_kernel)
+    assert tm.seconds(gpu, flops, 0, torch.float32, kind=MISALIGNED_EVEN) == tm.seconds(gpu, flops, 0, torch.float32)
+    # even rows: about twice the rate of odd ones, well short of aligned ones (72 products of each, 0.26 and 0.126)
+    assert 1.8 < tm.misaligned_even_flop_efficiency / tm.misaligned_flop_efficiency < 2.4
+    assert tm.misaligned_even_flop_efficiency < tm.flop_efficiency / 3
+
+
 def test_a_step_that_frees_an_earlier_block_is_not_replayed_and_leaves_the_model_as_it_was():
     from memprof.caching import CachingAllocatorModel
     from memprof.simulate import kept_blocks, replay_step
