@@ -42,7 +42,7 @@ from .devices import GPU, get_gpu
 from .meta_kernels import PLAIN_TENSORS, KernelCache
 from .reductions import REDUCTIONS, staging_bytes
 from .report import Report
-from .kernel_copies import COPYING, kernel_copies
+from .kernel_copies import kernel_copies, takes_copies
 from .tracker import track
 from .virtual_cuda import VirtualCUDA
 
@@ -614,9 +614,10 @@ class SimulatedAllocator(TorchDispatchMode):
                               "size its outputs: simulated by running its implementation's operators")
                 with self:
                     return implementation(*args, **kwargs)
-            if self.note is not None and (_maybe_opdef(func) is not None
-                                          or func.namespace in _LIBRARIES and any(True for _ in tensors(args))):
-                # A library's kernels registered in C++ (torchvision's) are sized the same way.
+            if self.note is not None and not takes_copies(func) and (
+                    _maybe_opdef(func) is not None or func.namespace in _LIBRARIES and any(True for _ in tensors(args))):
+                # A library's kernels registered in C++ (torchvision's) are sized the same way; those
+                # whose own blocks memprof.kernel_copies knows need no note.
                 what = "a custom operator" if func.namespace not in _LIBRARIES else f"a {func.namespace} operator"
                 self.note(f"{func.name()} ({what})", "sized by its fake implementation: its outputs "
                           "and what autograd saves of them are counted, its kernel's own scratch memory is not")
@@ -646,8 +647,8 @@ class SimulatedAllocator(TorchDispatchMode):
         if cudnn:  # the copies held for the call, and each cuDNN call's blocks in turn
             held, calls = cudnn
             self._transient(calls, held)
-        if func in COPYING and args[0].is_meta:
-            self._transient([kernel_copies(func, args)])
+        if takes_copies(func) and args[0].is_meta:
+            self._transient(kernel_copies(func, args))
         if cost is None:  # the host's own work (a data pipeline): no simulated time
             return out
         uploaded = _uploaded(func, args, kwargs)
@@ -887,8 +888,8 @@ def _cost(func, args: tuple, kwargs: dict, out: Any):
     if getattr(func, "is_view", False) or func.__name__.split(".")[0] in _NO_KERNEL:
         return 0, 0, None, False, False, OTHER
     nbytes = sum(t.numel() * t.element_size() for t in (*ins, *outs))
-    if func in COPYING:  # its copies (memprof.kernel_copies), each written and read once more
-        nbytes += 2 * sum(kernel_copies(func, args))
+    if takes_copies(func):  # its copies (memprof.kernel_copies), each written and read once more
+        nbytes += 2 * sum(sum(stage) for stage in kernel_copies(func, args))
     dtype = next((t.dtype for t in ins if t.is_floating_point()), None)
     kind, flops = _kernel_kind(func, args), _flops(func, args, kwargs, out)
     if kind == ATTENTION:

@@ -1429,26 +1429,39 @@ def test_another_librarys_operator_is_said_to_leave_its_scratch_memory_out():
     assert "its kernel's own scratch memory is not" in device.notes[f"mmcv::{name} (a mmcv operator)"]
 
 
-def test_a_deformable_convolution_takes_cublas_workspaces():
+def test_a_deformable_convolution_takes_cublas_workspaces_and_its_im2col_columns():
     """torchvision's deform_conv2d multiplies its im2col columns by the weight with addmm_ in forward
-    and in backward: the training thread's and autograd's cuBLAS workspaces, as any matrix product."""
+    and in backward: the training thread's and autograd's cuBLAS workspaces, as any matrix product.
+    Its CUDA kernel (deform_conv2d_kernel.cu) works on blocks of n images (the largest divisor of the
+    batch up to 32): forward takes ``out``, ``out_buf`` and the columns (8 x 3 x 3 rows of
+    n x 16 x 16) before it returns ``out + bias``; backward takes the columns with the output
+    gradient's block copied for its product, then the gradient permuted contiguous with the columns."""
     torchvision = pytest.importorskip("torchvision")
+    from memprof.kernel_copies import kernel_copies
     from memprof.simulate import SimulatedAllocator, cublas_workspace_bytes
 
     gpu = memprof.get_gpu("h200")
     a = SimulatedAllocator(gpu)
+    output, columns, block = 2 * 8 * 16 * 16 * 4, 8 * 9 * 2 * 16 * 16 * 4, 8 * 2 * 16 * 16 * 4
     with VirtualCUDA(gpu, allocator=a) as device:
         x = torch.randn(2, 8, 16, 16, device="cuda")
         offset = torch.zeros(2, 18, 16, 16, device="cuda", requires_grad=True)
         weight = torch.randn(8, 8, 3, 3, device="cuda", requires_grad=True)
         before = a.model.allocated
+        a.model.reset_peak()
         out = torchvision.ops.deform_conv2d(x, offset, weight, padding=1)
         workspace = cublas_workspace_bytes(gpu.compute_capability)
         # the workspace, the output, and the zero bias and mask torchvision's Python makes when none is given
-        assert a.model.allocated - before == workspace + 2 * 8 * 16 * 16 * 4 + 2 * 512
-        out.sum().backward()
+        assert a.model.allocated - before == workspace + output + 2 * 512
+        assert a.model.peak_allocated - before == workspace + output + 2 * 512 + 2 * output + columns
+        grad = torch.ones_like(out)
+        backward = torch.ops.torchvision._deform_conv2d_backward.default
+        args = (grad, x, weight, offset, torch.zeros(0, device="cuda"), torch.zeros(8, device="cuda"),
+                1, 1, 1, 1, 1, 1, 1, 1, False)
+        assert kernel_copies(backward, args) == [(columns, block), (output, columns)]
+        out.backward(grad)
         assert len(a._workspaces) == 2  # the training thread's and autograd's
-    assert "torchvision::deform_conv2d (a torchvision operator)" in device.notes
+    assert not any("deform_conv2d" in note for note in device.notes)  # its own blocks are known
 
 
 def test_a_scripts_own_memory_fraction_caps_the_simulated_gpu():
