@@ -1,8 +1,10 @@
-"""Workloads shared by the GPU benchmarks: real models, random data, one step."""
+"""Workloads shared by the GPU benchmarks: real models, random data, one step; and a
+kernel's time measured with CUDA events."""
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +18,21 @@ class Workload:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     step: Callable[[], None]
+
+
+def timed(fn: Callable[[], object], runs: int = 5, warmup: int = 2) -> float:
+    """The median seconds of ``runs`` calls of ``fn`` after ``warmup``, each timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
 
 
 def _autocast(precision: str):

@@ -20,30 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+from common import timed
+
 #: (M, K, N) of an aligned product: a language model's head, a transformer's MLP, a square one.
 SIZES = ((16384, 768, 30720), (8192, 4096, 11008), (4096, 4096, 4096))
 PRECISIONS = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False), "tf32": (torch.float32, True),
               "fp32": (torch.float32, False)}
-
-
-def timed(fn, runs: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
 
 
 def product(layout: str, m: int, k: int, n: int, dtype: torch.dtype):
