@@ -597,6 +597,10 @@ class ScriptFacts:
     #: The torch.func transforms the model's forward runs inside itself, around some of its modules
     #: ("vmap, grad": a contractive autoencoder's ``vmap(jacrev(encode))``); "" where none.
     transforms_inside: str = ""
+    #: Whose loop steps the optimizer, as a ``memprof.strategies.base.Door`` value: "script" (the
+    #: script's own), "hf" (transformers' Trainer), "lightning" (Lightning's Trainer). The changes
+    #: a plan asks for are phrased for it: TrainingArguments(...) where the Trainer runs the steps.
+    trainer: str = "script"
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, **facts: Any) -> "ScriptFacts":
@@ -651,6 +655,8 @@ class ScriptFacts:
         ]
         if self.batch:
             out.append("batch: " + ", ".join(f"{k} {tuple(shape)} {d}" for k, (shape, d) in self.batch.items()))
+        if self.trainer != "script":
+            out.append("training loop: " + _LOOPS[self.trainer])
         if self.expandable_segments:
             out.append("allocator: expandable segments")
         if self.also_trains:
@@ -658,6 +664,25 @@ class ScriptFacts:
                        "alone; the other's weights and gradients count as other_models, its optimizer's state as "
                        "temporaries)")
         return out
+
+
+#: The trainers whose loops a script may hand its steps to: where their code lives (a frame's
+#: file) and how the advice names them, by ``Door`` value.
+_TRAINER_FILES = {"hf": ("/transformers/trainer",), "lightning": ("/lightning/pytorch/", "/pytorch_lightning/")}
+_LOOPS = {"hf": "Hugging Face Trainer", "lightning": "Lightning Trainer"}
+
+
+def _loop_owner() -> str:
+    """Whose loop the caller runs in: a trainer whose code is on the stack ("hf", "lightning"), else
+    "script"."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        for door, places in _TRAINER_FILES.items():
+            if any(place in path for place in places):
+                return door
+        frame = frame.f_back
+    return "script"
 
 
 def _implementation(optimizer: torch.optim.Optimizer) -> str:
@@ -797,6 +822,7 @@ class _Watch:
             self._handles += [nn.Module.register_forward_pre_hook(m, Shared(self._on_entry), with_kwargs=True),
                               nn.Module.register_forward_hook(m, Shared(self._on_entry_end), always_call=True)]
         self._optimizers = weakref.WeakSet([opt] if opt is not None else [])
+        self._loop_known = False
         self._in_backward: weakref.WeakSet = weakref.WeakSet()
         self._optimizer = weakref.ref(opt) if opt is not None else None
         # Backward passes that reach the model, counted at one of its parameters: the micro-batches
@@ -890,6 +916,8 @@ class _Watch:
         if torch._C._current_graph_task_id() != -1 and opt not in self._in_backward:
             self._in_backward.add(opt)
             self.facts.in_backward = len(self._in_backward)
+        if not self._loop_known:  # the first optimizer step: whose loop runs it
+            self._loop_known, self.facts.trainer = True, _loop_owner()
         if opt in self._optimizers:
             return
         self._optimizers.add(opt)
@@ -1132,7 +1160,8 @@ class ScriptAdvice(Advice):
         plan = plan or self.best
         if plan is None or plan == "baseline":
             return []
-        return [s.code_change(self.facts) for s in self.applied.get(plan) or self.plans[plan]()]
+        door = self.facts.trainer if self.facts is not None else "script"
+        return [s.code_change(self.facts, door) for s in self.applied.get(plan) or self.plans[plan]()]
 
     def to_dict(self) -> dict:
         return {

@@ -2328,3 +2328,25 @@ def test_looking_for_a_batchs_lengths_keeps_no_variable_alive():
     freed, found, lengths = loop()
     assert freed
     assert len(found) == 1 and found[0] is lengths
+
+
+def test_the_loop_that_steps_the_optimizer_decides_how_changes_are_phrased():
+    """A script that hands its steps to a trainer (Hugging Face's Trainer, Lightning's) is told what to
+    set there (TrainingArguments(...), Trainer(...)), not code for a loop it does not write: whose loop
+    it is shows in the files on the stack at the first optimizer step."""
+    from memprof.script_advice import _loop_owner
+    from memprof.strategies import Accumulation
+
+    def called_from(path: str) -> str:
+        namespace: dict = {}
+        exec(compile("def loop(step):\n    return step()\n", path, "exec"), namespace)
+        return namespace["loop"](_loop_owner)
+
+    assert called_from("/venv/site-packages/transformers/trainer.py") == "hf"
+    assert called_from("/venv/site-packages/lightning/pytorch/loops/optimization/automatic.py") == "lightning"
+    assert called_from("/venv/site-packages/pytorch_lightning/core/optimizer.py") == "lightning"
+    assert called_from("/venv/site-packages/accelerate/accelerator.py") == "script"
+    assert _loop_owner() == "script"
+    accumulation = Accumulation(2)
+    assert accumulation.code_change(None, "hf").startswith("TrainingArguments(gradient_accumulation_steps=2")
+    assert not accumulation.code_change(None, "script").startswith("TrainingArguments")

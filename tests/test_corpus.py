@@ -360,8 +360,11 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
 WHAT_IT_DOES = {
     # the Trainer's bf16 is Accelerate's autocast inside the model's forward; Hugging Face's
     # layers checkpoint their forward, not their call
-    "hf-trainer": {"autocast": "bf16", "checkpointed": ["transformer.h.0", "transformer.h.1"], "micro_batches": 1},
-    "accelerate-clm": {"autocast": "bf16", "micro_batches": 2, "optimizer": "AdamW"},
+    "hf-trainer": {"autocast": "bf16", "checkpointed": ["transformer.h.0", "transformer.h.1"], "micro_batches": 1,
+                   "trainer": "hf"},  # the Trainer's loop steps the optimizer: changes as TrainingArguments
+    "lightning": {"trainer": "lightning"},
+    # Accelerate without the Trainer: the script's own loop
+    "accelerate-clm": {"autocast": "bf16", "micro_batches": 2, "optimizer": "AdamW", "trainer": "script"},
     # DDP's forward(*inputs) named by the wrapped ResNet's forward(x)
     "ddp-classifier": {"autocast": "bf16", "micro_batches": 1, "batch": {"x": [[8, 3, 32, 32], "fp32"]}},
     # FSDP2's MixedPrecisionPolicy gathers bf16 parameters; checkpoint_wrapper's layers are recomputed
