@@ -46,7 +46,7 @@ def check_schema(data: dict) -> None:
     assert data["script_does"] is None or set(data["script_does"]) == {
         "autocast", "forward_dtype", "micro_batches", "checkpointed", "optimizer", "implementation", "parameters", "frozen", "batch",
         "also_trains", "checkpointing_switch", "in_backward", "selective_checkpointing", "carried_state", "idle_blocks",
-        "recomputed_by", "expandable_segments", "transformed", "transforms_inside", "coupled_by"}
+        "recomputed_by", "expandable_segments", "transformed", "transforms_inside", "coupled_by", "trainer"}
     assert isinstance(data["cache_excess_bytes"], int) and data["cache_excess_bytes"] >= 0
     assert isinstance(data["evaluation_peak_allocated_bytes"], int) and data["evaluation_peak_allocated_bytes"] >= 0
     assert isinstance(data["varying_batch_shapes"], list)
