@@ -291,6 +291,12 @@ _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 # as many elements as the batch has samples.
 _SAMPLEWISE = {"kl_div", "eq", "ne", "__eq__", "__ne__"} | {
     name for name in dir(torch.nn.functional) if name.endswith(("_loss", "cross_entropy", "_with_logits"))}
+# Elementwise operators between per-sample tensors outside the model (PPO's loss: the new log-probabilities
+# against the minibatch's old ones, each picked from rollout buffers on the device by the same indices):
+# where one operand is a whole batch and another of the same rank its micro-batch of more than one sample,
+# the operator would raise (the two do not broadcast), so the whole one is cut as at a loss.
+_ELEMENTWISE = {"add", "sub", "mul", "div", "maximum", "minimum", "where", "broadcast_tensors"} | {
+    f"__{r}{op}__" for op in ("add", "sub", "mul", "truediv") for r in ("", "r")}
 
 
 class _MicroBatchCut(TorchFunctionMode):
@@ -372,8 +378,9 @@ class _MicroBatchCut(TorchFunctionMode):
         kwargs = kwargs or {}
         if self._evaluating():  # evaluation between steps: not the step's
             return func(*args, **kwargs)
-        if not self._in_model and getattr(func, "__name__", "") in _SAMPLEWISE:
-            args, kwargs = self._match(args, kwargs)
+        name = getattr(func, "__name__", "")
+        if not self._in_model and (name in _SAMPLEWISE or name in _ELEMENTWISE):
+            args, kwargs = self._match(args, kwargs, elementwise=name in _ELEMENTWISE)
         if not self._in_model and func in _INDEXING and len(args) > 1:
             args = (args[0], self._within_part(args[0], args[1]), *args[2:])
         out = func(*args, **kwargs)
@@ -423,10 +430,18 @@ class _MicroBatchCut(TorchFunctionMode):
             self._cut_storages.add(_storage(part))
         return part
 
-    def _match(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _match(self, args: tuple, kwargs: dict, elementwise: bool = False) -> tuple[tuple, dict]:
         """``args`` and ``kwargs`` with whole batches cut where they meet a micro-batch (not
         parameters): tensors, on the device or not, and per-sample lengths as a list (CTC's
-        ``input_lengths``, ``target_lengths``)."""
+        ``input_lengths``, ``target_lengths``); for an ``elementwise`` operator, only a whole
+        tensor beside a micro-batch of its rank and more than one sample (they would not broadcast)."""
+        if elementwise:
+            shapes = {(t.dim(), t.shape[0]) for t in leaves(args) if isinstance(t, torch.Tensor) and t.dim() > 0}
+            wholes = {n for d, n in shapes if n in self.sizes and n // self.k > 1 and (d, n // self.k) in shapes}
+            if not wholes:
+                return args, kwargs
+            return tree_map(lambda a: a if isinstance(a, nn.Parameter) else self._cut(
+                a, device_only=False, sizes=wholes), args), kwargs
         values = (*args, *kwargs.values())
         firsts = [a.shape[0] if isinstance(a, torch.Tensor) else len(a) for a in values
                   if isinstance(a, torch.Tensor) and a.dim() > 0 or _lengths(a)]

@@ -2350,3 +2350,32 @@ def test_the_loop_that_steps_the_optimizer_decides_how_changes_are_phrased():
     accumulation = Accumulation(2)
     assert accumulation.code_change(None, "hf").startswith("TrainingArguments(gradient_accumulation_steps=2")
     assert not accumulation.code_change(None, "script").startswith("TrainingArguments")
+
+
+MINIBATCHES_FROM_BUFFERS = """\
+import numpy as np, torch, torch.nn as nn
+policy = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 1)).cuda()
+opt = torch.optim.Adam(policy.parameters())
+obs = torch.zeros(512, 64).cuda()  # a rollout's buffers, filled on the device without gradients
+old = torch.zeros(512).cuda()
+inds = np.arange(512)
+for epoch in range(6):
+    np.random.shuffle(inds)
+    for start in range(0, 512, 256):
+        mb = inds[start:start + 256]  # a minibatch picked from every buffer by one host index array
+        new = policy(obs[mb]).view(-1)
+        ratio = (new - old[mb]).exp()  # the minibatch's new values against its old ones
+        loss = torch.max(-ratio, -ratio.clamp(0.8, 1.2)).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+"""
+
+
+def test_a_minibatch_picked_from_device_buffers_is_cut_where_it_meets_the_micro_batch(tmp_path):
+    """PPO's update (cleanrl's): the model's input and the old values are picked from buffers on the
+    device by the same indices. The model's forward cuts its input; the old values stay whole until an
+    elementwise operator meets them with the micro-batch's new ones (256 against 128 rows would not
+    broadcast): every accumulation plan failed there with 'The size of tensor a (256) must match'."""
+    data, _ = advise_source(tmp_path, MINIBATCHES_FROM_BUFFERS)
+    plans = {p["plan"] for p in data["plans"]}
+    assert {"accum2", "accum4", "accum8"} <= plans, data["failed"]
+    assert not any(p.startswith(("accum", "bf16+accum")) for p in data["failed"])

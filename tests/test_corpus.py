@@ -24,6 +24,8 @@ from corpus import CORPUS, SCRIPTS, installed  # noqa: E402
 
 #: Small sizes for each entry (the script's own options; none: the short scripts with fixed sizes).
 SMALL = {
+    "ppo_agent.py": ["--num-envs", "8", "--num-steps", "16", "--num-minibatches", "2", "--update-epochs", "1",
+                     "--num-updates", "3", "--width", "256"],
     "nanogpt": ["--n_layer=2", "--n_head=4", "--n_embd=128", "--block_size=128", "--batch_size=4"],
     "gqa_decoder.py": ["--hidden-size", "128", "--intermediate-size", "352", "--layers", "2", "--heads", "4",
                        "--kv-heads", "2", "--seq-len", "64", "--batch-size", "2"],
@@ -297,7 +299,7 @@ def test_pytorch_examples_imagenet_spawned_runs_every_plan(tmp_path):
                                   "dino-multicrop", "kge-sparse-adam", "rwkv-tbptt", "raft-flow",
                                   "reformer-reversible", "tabnet-ghost-bn", "swa-cifar", "autoresearch-gpt",
                                   "varlen-finetune", "einops-vit-metrics", "threaded-prefetch", "patch-inpaint",
-                                  "stylegan2-lazy-r1", "deform-det"])
+                                  "stylegan2-lazy-r1", "deform-det", "ppo-agent"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -350,6 +352,9 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert {"accum2", "accum4", "accum8"} <= plans and not advice["failed"], advice["failed"]
     if name == "stylegan2-lazy-r1":  # every 4th step also regularizes: plans are measured on steps like the baseline's
         assert {"accum2", "accum4"} <= plans and "accum2" not in advice["skipped"]
+    if name == "ppo-agent":  # minibatches picked from rollout buffers on the device by one index array: the
+        # model's input is cut, and its old log-probabilities and advantages where the loss meets the new ones
+        assert {"accum2", "accum4"} <= plans and not any(p.startswith("accum") for p in advice["failed"])
     if name == "deform-det":  # torchvision's deformable convolution: its im2col columns counted, no note
         assert not any("deform_conv2d" in n for n in advice["baseline"]["meta"].get("simulation_notes", {}))
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
