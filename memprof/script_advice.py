@@ -312,7 +312,10 @@ class _MicroBatchCut(TorchFunctionMode):
     cut output against targets a prefetcher copied during the step before:
     timm's ``PrefetchLoader``, apex's ``data_prefetcher``), or a whole batch's
     rows flattened with their positions and the micro-batch's (token targets
-    made flat against the logits viewed as ``(-1, vocabulary)``).
+    made flat against the logits viewed as ``(-1, vocabulary)``), and an
+    elementwise operator that meets a whole batch and a micro-batch of the
+    same rank, which would not broadcast (PPO's new log-probabilities against
+    the old ones picked by the same indices from a buffer on the device).
     Inside the forward nothing else is cut: the model's own tensors of that
     size (positions when the sequence is as long as the batch) are not samples.
     A copy to the device of a half, third or quarter of the batch is cut too:
