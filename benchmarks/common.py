@@ -20,10 +20,8 @@ class Workload:
     step: Callable[[], None]
 
 
-def timed(fn: Callable[[], object], runs: int = 5, warmup: int = 2) -> float:
-    """The median seconds of ``runs`` calls of ``fn`` after ``warmup``, each timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
+def event_seconds(fn: Callable[[], object], runs: int) -> list[float]:
+    """The seconds of each of ``runs`` calls of ``fn``, timed with CUDA events."""
     times = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -32,7 +30,14 @@ def timed(fn: Callable[[], object], runs: int = 5, warmup: int = 2) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
+    return times
+
+
+def timed(fn: Callable[[], object], runs: int = 5, warmup: int = 2) -> float:
+    """The median seconds of ``runs`` calls of ``fn`` after ``warmup`` (:func:`event_seconds`)."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(event_seconds(fn, runs))
 
 
 def _autocast(precision: str):

@@ -26,21 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import memprof  # noqa: E402
-from common import WORKLOADS, free  # noqa: E402
+from common import WORKLOADS, event_seconds, free  # noqa: E402
 
 MODES = {"light": dict(warmup=0, every=0), "profiled": dict(warmup=0, every=1)}
 
 
 def timed_steps(step, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    """Milliseconds of each of ``n`` steps."""
+    return [s * 1e3 for s in event_seconds(step, n)]
 
 
 def measure(name: str, rounds: int, block: int, run_length: int) -> dict:
