@@ -20,13 +20,14 @@ import statistics
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Collection, Iterator, NamedTuple, Sequence
 
 import pandas as pd
 import torch
 
 from .caching import expandable_segments_configured
 from .categories import Category
+from .coupling import what_changes
 from .devices import GPU, get_gpu
 from .parallel import can_fork, default_jobs, run_forked
 from .report import Report
@@ -655,7 +656,7 @@ def advise(
         if baseline is not None and not isinstance(preds["baseline"], Exception):
             # Plans whose allocated memory fits but whose reserved memory does not: again with
             # expandable segments, which may reserve less (not always: strategies/allocator.py).
-            extra = fragmented(preds, nbytes, margin)
+            extra = fragmented(preds, nbytes, margin, _changing(plans, baseline))
             if extra:
                 advance.more(len(extra))
                 _simulate_groups(make_workload, {n: plans[p] for n, p in extra.items()}, gpu, steps, advance, jobs,
@@ -671,7 +672,8 @@ def advise(
     if baseline is None or isinstance(preds["baseline"], Exception):
         raise RuntimeError("the baseline step could not be simulated; see the warnings above")
     rows = [(name, preds[name]) for name in plans if not isinstance(preds[name], Exception)]
-    table = rank(rows, preds["baseline"], baseline, nbytes, margin)
+    table = rank(rows, preds["baseline"], baseline, nbytes, margin,
+                 {name: plan_changes(plans[name](), baseline) for name, _ in rows})
     return Advice(nbytes, gpu, world_size, table, baseline, plans)
 
 
@@ -695,17 +697,24 @@ def _simulate_groups(make_workload, plans: dict[str, PlanFactory], gpu: GPU, ste
     return baseline
 
 
-def fragmented(preds: dict, budget: int, margin: float) -> dict[str, str]:
+def fragmented(preds: dict, budget: int, margin: float, changing: Collection[str] = ()) -> dict[str, str]:
     """Plans that would fit by their allocated memory but not by their reserved memory, and
     would be faster than every plan that fits, where expandable segments are not on already:
-    ``{"<plan>+expandable": "<plan>"}``. Slower ones could not change the advice."""
+    ``{"<plan>+expandable": "<plan>"}``. Slower ones could not change the advice, nor, where a
+    plan that trains the same model fits, the ``changing`` plans (see :func:`rerank`)."""
     if expandable_segments_configured():
         return {}
     ok = {name: p for name, p in preds.items() if not isinstance(p, Exception)}
-    fastest = min((p.seconds for p in ok.values() if p.peak_reserved * (1 + margin) <= budget), default=float("inf"))
+    fits = {name: p.seconds for name, p in ok.items() if p.peak_reserved * (1 + margin) <= budget}
+    inf = float("inf")
+    same = min((t for name, t in fits.items() if name not in changing), default=inf)
+    # A plan that trains the same model must beat the fastest that fits and does; one that changes the
+    # training, where none such fits, the fastest that fits (else it would rank after them anyway).
+    bar = {name: (min(fits.values(), default=inf) if same == inf else -inf) if name in changing else same
+           for name in ok}
     return {("expandable" if name == "baseline" else f"{name}+expandable"): name
             for name, p in ok.items()
-            if "expandable" not in name.split("+") and p.seconds < fastest
+            if "expandable" not in name.split("+") and p.seconds < bar[name]
             and p.peak_allocated * (1 + margin) <= budget < p.peak_reserved * (1 + margin)}
 
 
@@ -727,11 +736,45 @@ def best_of(table: pd.DataFrame) -> str | None:
     return None if fits.empty else str(fits.index[0])
 
 
-def rank(rows: list, base, baseline: Report, budget: int, margin: float) -> pd.DataFrame:
+def plan_changes(strategies: list, baseline: Report) -> str:
+    """What a plan's ``strategies`` change in what training computes (:meth:`Strategy.changes`),
+    for the step of the ``baseline`` report; "" for nothing."""
+    coupling = baseline.meta.get("sample_coupling") or {}
+    return "; ".join(filter(None, (s.changes(coupling) for s in strategies)))
+
+
+def _changing(plans: dict[str, PlanFactory], baseline: Report) -> set[str]:
+    """The plans that change what training computes in the ``baseline``'s step."""
+    coupling = baseline.meta.get("sample_coupling")
+    return {name for name, plan in plans.items() if plan_changes(plan(), baseline)} if coupling else set()
+
+
+def changes_notes(table: pd.DataFrame) -> list[str]:
+    """What the recommendation (the best plan of a ranked ``table``) leaves aside: that it changes
+    what training computes, where no plan that fits trains the same model; else a faster plan that
+    fits and changes it."""
+    best = best_of(table)
+    if best is None or "changes" not in table:
+        return []
+    changes = table["changes"].fillna("")
+    if changes[best]:
+        return [f"{best} changes what training computes, and no plan that fits trains the same model: {changes[best]}"]
+    t = table[table["fits"] & changes.astype(bool) & (table["seconds"] < table.at[best, "seconds"])]
+    if t.empty:
+        return []
+    alt = str(t["seconds"].idxmin())
+    return [f"{alt} is {100 * (1 - t.at[alt, 'seconds'] / table.at[best, 'seconds']):.0f} % faster than {best} and "
+            f"fits, but changes what training computes: {changes[alt]}"]
+
+
+def rank(rows: list, base, baseline: Report, budget: int, margin: float,
+         changes: dict[str, str] | None = None) -> pd.DataFrame:
     """Plans as a table, best first: those that fit by predicted step time, then the rest by size.
 
-    ``rows``: ``(name, Prediction)`` pairs; ``base``: the baseline's Prediction.
+    ``rows``: ``(name, Prediction)`` pairs; ``base``: the baseline's Prediction; ``changes``: what
+    each plan changes in what training computes, where it does (:func:`plan_changes`).
     """
+    changes = changes or {}
     table = pd.DataFrame(
         [
             {
@@ -742,6 +785,7 @@ def rank(rows: list, base, baseline: Report, budget: int, margin: float) -> pd.D
                 "slowdown": p.seconds / base.seconds if base.seconds else float("nan"),
                 "device_share": p.device_seconds / p.seconds if p.device_seconds is not None and p.seconds else float("nan"),
                 "why": _why(name, p, base, baseline),
+                "changes": changes.get(name, ""),
             }
             for name, p in rows
         ]
@@ -751,7 +795,9 @@ def rank(rows: list, base, baseline: Report, budget: int, margin: float) -> pd.D
 
 def rerank(table: pd.DataFrame, budget: int, margin: float = 0.05) -> pd.DataFrame:
     """``table`` (predicted peaks and seconds per plan) ranked for ``budget``:
-    a plan fits when its peak reserved plus ``margin`` of it is within the budget."""
+    a plan fits when its peak reserved plus ``margin`` of it is within the budget.
+    Plans that fit and change what training computes (a ``changes`` column) rank after
+    those that fit and do not: a plan trains the same model or it is no alternative."""
     t = table.drop(columns="fits", errors="ignore")
     t.insert(2, "fits", t["peak_reserved"] * (1 + margin) <= budget)  # after the peaks, as before
     # The step as it is ranks first among plans less than KEEP faster (to the microsecond: a plan
@@ -759,8 +805,9 @@ def rerank(table: pd.DataFrame, budget: int, margin: float = 0.05) -> pd.DataFra
     us = (t["seconds"] * 1e6).round()
     if "baseline" in t.index:
         us["baseline"] = round(t.at["baseline", "seconds"] * (1 - KEEP) * 1e6)
-    key = pd.DataFrame({"us": us, "change": t.index != "baseline"}, index=t.index)
-    fits = key[t["fits"]].sort_values(["us", "change"], kind="stable").index
+    other = t["changes"].fillna("").astype(bool) if "changes" in t else False
+    key = pd.DataFrame({"other": other, "us": us, "change": t.index != "baseline"}, index=t.index)
+    fits = key[t["fits"]].sort_values(["other", "us", "change"], kind="stable").index
     return pd.concat([t.loc[fits], t[~t["fits"]].sort_values("peak_reserved", kind="stable")])
 
 
@@ -834,6 +881,10 @@ HOST_BOUND_NOTE = ("host-bound: the host issuing kernels, not the GPU, sets the 
                    "tenth of the step), so the host's speed moves this time, by up to 2x between runs")
 
 
+#: Marks a plan that changes what training computes (its ``changes``) in the plans' table.
+CHANGES_MARK = "†"
+
+
 def step_time(row) -> str:
     """A plan's predicted step time for display, ``*`` marking a host-bound step (:data:`HOST_BOUND`)."""
     return f"{1e3 * row['seconds']:.1f} ms" + ("*" if row.get("device_share", 1.0) < HOST_BOUND else "")
@@ -852,6 +903,10 @@ def plan_table(advice: "Advice", table: pd.DataFrame | None = None, where: str |
                "reserved below the baseline (the step as it is)")
     if "device_share" in table and (table["device_share"] < HOST_BOUND).any():
         caption += f"\n* {HOST_BOUND_NOTE}"
+    changing = table["changes"].fillna("").astype(bool) if "changes" in table else pd.Series(False, table.index)
+    if changing.any():
+        caption += (f"\n{CHANGES_MARK} changes what training computes, so ranked after the plans that fit and do not: "
+                    + what_changes(advice.baseline.meta.get("sample_coupling") or {}, "K") + " (K: its micro-batches)")
     t = Table(title=f"plans for {fmt_bytes(advice.budget)} per rank on {where}, {advice.world_size} rank(s)",
               caption=caption, title_justify="left",
               caption_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), show_edge=False)
@@ -862,7 +917,7 @@ def plan_table(advice: "Advice", table: pd.DataFrame | None = None, where: str |
         saved = "" if base is None or name == "baseline" else (
             f"{fmt_bytes(base['peak_reserved'] - r['peak_reserved'])} "
             f"{100 * (1 - r['peak_reserved'] / base['peak_reserved']):.0f}%")
-        t.add_row(str(name), fmt_bytes(r["peak_reserved"]), saved, "yes" if r["fits"] else "no",
+        t.add_row(str(name) + f" {CHANGES_MARK}" * bool(changing[name]), fmt_bytes(r["peak_reserved"]), saved, "yes" if r["fits"] else "no",
                   step_time(r), f"{100 * (r['slowdown'] - 1):+.0f}%", style=None if r["fits"] else "dim")
     return t
 

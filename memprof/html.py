@@ -437,7 +437,7 @@ def advice_figure(advice: "Advice", verified: pd.DataFrame | None = None) -> "go
 
 
 def _plan_table(advice: "Advice", verified: pd.DataFrame | None) -> str:
-    from .advisor import HOST_BOUND, HOST_BOUND_NOTE, step_time
+    from .advisor import CHANGES_MARK, HOST_BOUND, HOST_BOUND_NOTE, step_time
 
     t = _plans(advice, verified)
     base = t.loc["baseline"] if "baseline" in t.index else None
@@ -450,7 +450,9 @@ def _plan_table(advice: "Advice", verified: pd.DataFrame | None) -> str:
         saved = None if base is None or name == "baseline" else base["peak_reserved"] - r["peak_reserved"]
         saves = "" if saved is None else f"{fmt_bytes(saved)} ({100 * saved / base['peak_reserved']:.0f} %)"
         cls = "best" if name == advice.best else ("" if r["fits"] else "nofit")
-        cells = (f'<td>{html.escape(str(name))}</td>{_cell(r["peak_reserved"])}{_cell(r["peak_allocated"])}'
+        changes = r.get("changes") if isinstance(r.get("changes"), str) else ""
+        mark = f" {CHANGES_MARK}" if changes else ""
+        cells = (f'<td>{html.escape(str(name))}{mark}</td>{_cell(r["peak_reserved"])}{_cell(r["peak_allocated"])}'
                  f'<td>{saves}</td><td>{"yes" if r["fits"] else "no"}</td><td>{step_time(r)}</td>'
                  f'<td>{100 * (r["slowdown"] - 1):+.0f} %</td>')
         if measured:
@@ -464,7 +466,9 @@ def _plan_table(advice: "Advice", verified: pd.DataFrame | None) -> str:
                           f'<td>{1e3 * r["measured_seconds"]:.1f} ms</td>'
                           f'<td>{"yes" if r["fits_budget"] else "no"}</td>')
         rows.append(f'<tr class="{cls}" data-plan="{html.escape(str(name))}">{cells}'
-                    f'<td class="why">{html.escape(str(r["why"]))}</td></tr>')
+                    f'<td class="why">{html.escape(str(r["why"]))}'
+                    f'{html.escape(f"; {CHANGES_MARK} changes what training computes: {changes}") if changes else ""}'
+                    '</td></tr>')
     head_html = "".join(f"<th>{h}</th>" for h in head) + '<th class="why">why</th>'
     note = (f'<p class="note">* {html.escape(HOST_BOUND_NOTE)}</p>'
             if "device_share" in t and (t["device_share"] < HOST_BOUND).any() else "")
@@ -482,6 +486,8 @@ def advice_html(advice: "Advice", verified: pd.DataFrame | None = None, title: s
     script = getattr(advice, "script", "")
     title = title or (f"memprof advice for {script}" if script else "memprof advice")
     where = f"{'simulated ' if getattr(advice, 'simulated', True) else ''}{advice.gpu.name}"
+    from .advisor import changes_notes
+
     best = advice.best
     if best is None:
         verdict = f"No plan fits {fmt_bytes(advice.budget)} per rank; more ranks or a larger GPU would."
@@ -489,6 +495,7 @@ def advice_html(advice: "Advice", verified: pd.DataFrame | None = None, title: s
         changes = "".join(f"<li>{html.escape(c)}</li>" for c in getattr(advice, "code_change", lambda: [])())
         verdict = f"Recommended: <b>{html.escape(best)}</b>, the fastest plan that fits."
         verdict += f"<ul>{changes}</ul>" if changes else ""
+        verdict += "".join(f"</p><p>{html.escape(note)}" for note in changes_notes(advice.table))
     left_out = {**getattr(advice, "skipped", {}), **getattr(advice, "failed", {})}
     missing = "".join(f"<li><code>{html.escape(n)}</code>: {html.escape(w)}</li>" for n, w in left_out.items())
     figures = {"plan-plot": advice_figure(advice, verified)}

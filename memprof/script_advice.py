@@ -51,7 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .aten_args import leaves, tensors
 from .advisor import (Advice, PlanFactory, _adjusted, _name, _progress, _spread, _step_view, _with_expandable,
-                      default_plans, fragmented, parse_budget, plan_table, rank)
+                      default_plans, fragmented, parse_budget, plan_changes, plan_table, rank)
 from .caching import expandable_segments_configured
 from .hooks import Shared, in_torch_func
 from .devices import GPU, get_gpu
@@ -1577,7 +1577,8 @@ def advise_script(
     if "baseline" not in preds:  # every plan is ranked against it
         raise ScriptError(f"memprof could not take the script's step as it is: {schedule.failed.get('baseline')}")
     asked = schedule.facts is not None and schedule.facts.expandable_segments  # by the script itself
-    extra = fragmented(preds, nbytes, margin) if simulate and not asked else {}
+    changing = {name for name in preds if plan_changes(built[name], baseline)}
+    extra = fragmented(preds, nbytes, margin, changing) if simulate and not asked else {}
     if extra:
         # Plans whose allocated memory fits but whose reserved memory does not: the script again, with
         # expandable segments from its start, for them (and its step as it is, which every run takes first).
@@ -1597,7 +1598,8 @@ def advise_script(
             elif plan in more.failed:
                 schedule.failed[name] = more.failed[plan]
     _coupled_batches(built, preds, schedule.skipped)
-    table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin)
+    table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin,
+                 {name: plan_changes(built[name], baseline) for name in preds})
     return ScriptAdvice(nbytes, gpu, world_size, table, baseline, plans, script=str(path), simulated=simulate,
                         applied=built, facts=schedule.facts, failed=schedule.failed, skipped=schedule.skipped,
                         cache_excess=schedule.cache_excess, evaluation=schedule.evaluation_peak,

@@ -50,6 +50,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from .allocator import counters_for
 from .categories import ALLOCATED, Category
+from .coupling import sample_coupling
 from .frames import script_variables
 from .hooks import Shared, in_torch_func, transformed
 from .ledger import Ledger
@@ -421,6 +422,10 @@ class Tracker:
         self._batches: dict[tuple, int] = {}
         self._step_batches: deque[int | None] = deque(maxlen=history)
         self._batch: int | None = None
+        # What makes a sample's gradient depend on the others of its batch (memprof.coupling), read from
+        # the graphs behind the first profiled step's backward calls: {kind: nodes}, and that step.
+        self._coupling: dict[str, int] = {}
+        self._coupling_step: int | None = None
         # On a simulated GPU: its flop count when the step's optimizer began, and the arithmetic of
         # the last profiled step's optimizers (matrix products: Muon's Newton-Schulz iterations;
         # an elementwise AdamW does none), which an optimizer stepped on the host does there.
@@ -624,6 +629,8 @@ class Tracker:
             meta["gpu"] = torch.cuda.get_device_name(self.device)
         if self._optimizer_flops is not None:
             meta["optimizer_flops"] = self._optimizer_flops
+        if self._coupling:
+            meta["sample_coupling"] = dict(self._coupling)
         if len(self._batches) > 1:  # (the first few: a batch padded to each longest sequence makes many)
             shapes = [[list(t) for t in shape] for shape in self._batches]
             meta.update(batch_shapes=shapes[:_BATCH_SHAPES], batch_shapes_seen=len(shapes))
@@ -1658,6 +1665,7 @@ class Tracker:
         as it is made. A language model with a large vocabulary peaks there, and the interval's end
         had named the log-probabilities and both gradients temporaries. Where the allocator's counters
         are (CUDA, simulated): on the CPU the peak is the highest sample, and these are no samples of it."""
+        self._read_coupling(outputs)
         if (self._transformed_forward and not self._done and self._profiled
                 and self._active and not transformed()):
             # The forward ran where no hook could watch it (inside torch.func's transforms): what its
@@ -1678,6 +1686,17 @@ class Tracker:
         todo = [t.grad_fn for t in ([outputs] if isinstance(outputs, torch.Tensor) else outputs)
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         _hook_nodes(todo, self._node_hook, lambda node: node._sequence_nr() > top)  # not the model's, hooked already
+
+    def _read_coupling(self, outputs: Any) -> None:
+        """The couplings of the samples in the graph behind ``outputs``, in the first profiled step's
+        backward calls only (a GAN's two, a step's micro-batches): one walk of a graph a run, not a step."""
+        if not (self._active and self._profiled and self._coupling_step in (None, self.step)):
+            return
+        self._coupling_step = self.step
+        shape = next((s for s, i in self._batches.items() if i == self._batch), ())
+        found = sample_coupling(outputs, {dims[0] for dims in shape if dims and isinstance(dims[0], int)})
+        for kind, n in found.items():  # the same graph may be walked twice (retain_graph): the most, not the sum
+            self._coupling[kind] = max(self._coupling.get(kind, 0), n)
 
     def _claim_graph(self, outputs: Any) -> None:
         """Every tensor the autograd graph behind ``outputs`` saved (its nodes' ``_saved_*``), on the

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .advisor import Advice, advise, default_plans, parse_budget, plan_table
+from .advisor import CHANGES_MARK, Advice, advise, default_plans, parse_budget, plan_table
 from .devices import GPU, get_gpu
 from .report import Report
 from .script_advice import ScriptFacts, tensor_shapes, what_is_done
@@ -106,6 +106,9 @@ class TrainerAdvice(Advice):
         for plan in fits:
             parts.append(Text(f"{plan}:", style="bold"))
             parts += [Text(f"  {line}") for line in self.settings(plan)]
+            changes = self.table.at[plan, "changes"] if "changes" in self.table else ""
+            if changes:
+                parts.append(Text(f"  {CHANGES_MARK} changes what training computes: {changes}", style="yellow"))
         return Group(*parts)
 
 

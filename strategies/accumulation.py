@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from memprof.coupling import what_changes
 from memprof.workload import Workload
 
 from .base import Door, Strategy
@@ -13,7 +14,9 @@ class Accumulation(Strategy):
     """Run the batch as ``k`` micro-batches of 1/k each and accumulate gradients.
 
     Activation memory divides by about k; each micro-batch's loss is divided
-    by k, so the gradients equal the full batch's (up to float rounding).
+    by k, so the gradients equal the full batch's (up to float rounding) where
+    each sample's loss depends on that sample alone: not with batch norm in
+    training mode or in-batch pairs (:meth:`changes`).
     """
 
     def __init__(self, k: int) -> None:
@@ -25,6 +28,9 @@ class Accumulation(Strategy):
     def apply(self, workload: Workload) -> None:
         workload.micro_batches *= self.k
         workload.applied.append(self.name)
+
+    def changes(self, coupling: dict[str, int]) -> str:
+        return what_changes(coupling, self.k)
 
     def code_change(self, facts=None, door: Door | str = Door.SCRIPT) -> str:
         k, now = self.k, getattr(facts, "micro_batches", 1)

@@ -95,6 +95,11 @@ class Strategy:
         """Account for what the single-process simulation does not run (sharding, host offload)."""
         return prediction
 
+    def changes(self, coupling: dict[str, int]) -> str:
+        """What this strategy changes in what training computes, for a step whose samples meet as
+        ``coupling`` says (``Report.meta["sample_coupling"]``: :mod:`memprof.coupling`); "" for nothing."""
+        return ""
+
     def code_change(self, facts=None, door: Door | str = Door.SCRIPT) -> str:
         """What to write in a training script, or set in Lightning's ``Trainer`` or
         Hugging Face's ``TrainingArguments`` (``door``), to do this; ``facts``

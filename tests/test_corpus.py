@@ -299,7 +299,7 @@ def test_pytorch_examples_imagenet_spawned_runs_every_plan(tmp_path):
                                   "dino-multicrop", "kge-sparse-adam", "rwkv-tbptt", "raft-flow",
                                   "reformer-reversible", "tabnet-ghost-bn", "swa-cifar", "autoresearch-gpt",
                                   "varlen-finetune", "einops-vit-metrics", "threaded-prefetch", "patch-inpaint",
-                                  "stylegan2-lazy-r1", "deform-det", "ppo-agent"])
+                                  "stylegan2-lazy-r1", "deform-det", "ppo-agent", "clip-contrastive"])
 def test_advise_ranks_plans_for_the_script(name, tmp_path):
     _needs(name)
     advice, _ = _run("advise", name, tmp_path, "--budget", "24GiB")
@@ -314,6 +314,13 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         said = advice["skipped"]["ckpt"]
         assert "ckpt" not in plans and (said == "the script already checkpoints the repeated blocks"
                                         or bool(does["recomputed_by"]) and does["recomputed_by"] in said)
+    # Accumulation changes what training computes where the samples meet (batch norm, in-batch pairs): said, and
+    # such a plan is recommended only where no plan that fits trains the same model
+    coupling = advice["baseline"]["meta"].get("sample_coupling", {})
+    assert coupling == COUPLING.get(name, {})
+    assert all(bool(p["changes"]) == ("accum" in p["plan"] and bool(coupling)) for p in advice["plans"])
+    best = next(p for p in advice["plans"] if p["plan"] == advice["best"])
+    assert not best["changes"] or not any(p["fits"] and not p["changes"] for p in advice["plans"])
     if name in ("prefetch-classifier", "dcgan"):  # a prefetched batch is cut; a generator's batch norm is not
         assert {"accum2", "accum4", "accum8"} <= plans
     if name == "fsdp2-llama":  # sharded by the script: memprof's sharding plans are for an unsharded model
@@ -359,6 +366,14 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert not any("deform_conv2d" in n for n in advice["baseline"]["meta"].get("simulation_notes", {}))
     if name == "ddp-classifier":  # one rank on PyTorch's fake process group; DDP's inputs cut into micro-batches
         assert "accum2" in plans and "torch.distributed" in advice["baseline"]["meta"]["simulation_notes"]
+
+
+#: What makes a sample's gradient depend on the others of its batch in each script's step (memprof.coupling):
+#: its batch norms in training mode, its products over pairs of samples (CLIP's image-text similarities).
+COUPLING = {"vision-reference": {"batch_norm": 20}, "ddp-classifier": {"batch_norm": 20}, "dcgan": {"batch_norm": 7},
+            "prefetch-classifier": {"batch_norm": 8}, "conformer-asr": {"batch_norm": 2}, "raft-flow": {"batch_norm": 15},
+            "tabnet-ghost-bn": {"batch_norm": 233}, "swa-cifar": {"batch_norm": 19},
+            "threaded-prefetch": {"batch_norm": 20}, "clip-contrastive": {"pairs": 1}}
 
 
 #: What each script does already, as ``memprof advise`` reports it (``script_does``), at the SMALL sizes.
