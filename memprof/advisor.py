@@ -656,7 +656,8 @@ def advise(
         if baseline is not None and not isinstance(preds["baseline"], Exception):
             # Plans whose allocated memory fits but whose reserved memory does not: again with
             # expandable segments, which may reserve less (not always: strategies/allocator.py).
-            extra = fragmented(preds, nbytes, margin, _changing(plans, baseline))
+            changing = {name for name, plan in plans.items() if plan_changes(plan(), baseline)}
+            extra = fragmented(preds, nbytes, margin, changing)
             if extra:
                 advance.more(len(extra))
                 _simulate_groups(make_workload, {n: plans[p] for n, p in extra.items()}, gpu, steps, advance, jobs,
@@ -741,12 +742,6 @@ def plan_changes(strategies: list, baseline: Report) -> str:
     for the step of the ``baseline`` report; "" for nothing."""
     coupling = baseline.meta.get("sample_coupling") or {}
     return "; ".join(filter(None, (s.changes(coupling) for s in strategies)))
-
-
-def _changing(plans: dict[str, PlanFactory], baseline: Report) -> set[str]:
-    """The plans that change what training computes in the ``baseline``'s step."""
-    coupling = baseline.meta.get("sample_coupling")
-    return {name for name, plan in plans.items() if plan_changes(plan(), baseline)} if coupling else set()
 
 
 def changes_notes(table: pd.DataFrame) -> list[str]:
@@ -917,8 +912,9 @@ def plan_table(advice: "Advice", table: pd.DataFrame | None = None, where: str |
         saved = "" if base is None or name == "baseline" else (
             f"{fmt_bytes(base['peak_reserved'] - r['peak_reserved'])} "
             f"{100 * (1 - r['peak_reserved'] / base['peak_reserved']):.0f}%")
-        t.add_row(str(name) + f" {CHANGES_MARK}" * bool(changing[name]), fmt_bytes(r["peak_reserved"]), saved, "yes" if r["fits"] else "no",
-                  step_time(r), f"{100 * (r['slowdown'] - 1):+.0f}%", style=None if r["fits"] else "dim")
+        t.add_row(str(name) + f" {CHANGES_MARK}" * bool(changing[name]), fmt_bytes(r["peak_reserved"]), saved,
+                  "yes" if r["fits"] else "no", step_time(r), f"{100 * (r['slowdown'] - 1):+.0f}%",
+                  style=None if r["fits"] else "dim")
     return t
 
 

@@ -1694,7 +1694,13 @@ class Tracker:
             return
         self._coupling_step = self.step
         shape = next((s for s, i in self._batches.items() if i == self._batch), ())
-        found = sample_coupling(outputs, {dims[0] for dims in shape if dims and isinstance(dims[0], int)})
+        try:
+            found = sample_coupling(outputs, {dims[0] for dims in shape if dims and isinstance(dims[0], int)})
+        except Exception as exc:  # a graph of a kind not foreseen: the advice loses a caveat, the run goes on
+            log.warning("memprof could not read how the samples meet in this step's graph (%s: %s); the advice "
+                        "will not say what accumulation changes", type(exc).__name__, exc)
+            self._coupling_step = -1
+            return
         for kind, n in found.items():  # the same graph may be walked twice (retain_graph): the most, not the sum
             self._coupling[kind] = max(self._coupling.get(kind, 0), n)
 

@@ -53,7 +53,9 @@ def check_schema(data: dict) -> None:
     assert isinstance(data["skipped"], dict) and isinstance(data["failed"], dict)
     assert data["plans"] and data["plans"][0]["plan"] == (data["best"] or data["plans"][0]["plan"])
     for p in data["plans"]:
-        assert set(p) == {"plan", "peak_allocated", "peak_reserved", "fits", "seconds", "slowdown", "device_share", "why"}
+        assert set(p) == {"plan", "peak_allocated", "peak_reserved", "fits", "seconds", "slowdown", "device_share", "why",
+                          "changes"}
+        assert isinstance(p["changes"], str) and (not p["changes"] or "accum" in p["plan"])  # accumulation's alone
         assert 0 < p["device_share"] <= 1  # simulated: the device's busy share of the step
         assert isinstance(p["peak_allocated"], int) and isinstance(p["peak_reserved"], int)
         assert isinstance(p["fits"], bool) and isinstance(p["seconds"], float)

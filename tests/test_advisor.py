@@ -124,7 +124,9 @@ def advice(predictions):
 def test_advise_ranks_fastest_fitting_first(advice, predictions):
     base, bf16_ckpt = predictions
     t = advice.table
-    assert list(t.columns) == ["peak_allocated", "peak_reserved", "fits", "seconds", "slowdown", "device_share", "why"]
+    assert list(t.columns) == ["peak_allocated", "peak_reserved", "fits", "seconds", "slowdown", "device_share", "why",
+                               "changes"]
+    assert (t["changes"] == "").all()
     assert ((t["device_share"] > 0) & (t["device_share"] <= 1)).all()
     plain = t[["expandable" not in n.split("+") for n in t.index]]
     assert t.index.name == "plan" and set(plain.index) == set(default_plans())
