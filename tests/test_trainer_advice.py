@@ -59,3 +59,37 @@ def test_bad_input_is_named():
         memprof.advise_step(model, stray, batch, loss_fn, "24GiB")
     with pytest.raises(ValueError, match="micro_batches must be an integer >= 1, got 0"):
         memprof.advise_step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, loss_fn, "24GiB", micro_batches=0)
+
+
+def test_a_plan_that_changes_the_training_says_so():
+    """Batch norm in the model: each accumulation plan's settings come with what it changes."""
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from memprof.advisor import rerank
+    from memprof.coupling import what_changes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Sequential(*[FF() for _ in range(4)]),
+                          nn.Linear(256, 10))
+    batch = (torch.randn(512, 256), torch.randint(0, 10, (512,)))
+    advice = memprof.advise_step(model, torch.optim.AdamW(model.parameters()), batch, loss_fn, "rtx3060",
+                                 door="lightning")
+    assert advice.baseline.meta["sample_coupling"] == {"batch_norm": 1}
+    t = advice.table
+    assert all(t.at[p, "changes"] == (what_changes({"batch_norm": 1}, int(p.rpartition("accum")[2].split("+")[0]))
+                                      if "accum" in p else "") for p in t.index)
+    # Where only accumulation plans fit (the others left out of the table), the three shown each say it
+    accum = t[t.index.str.contains("accum") | (t.index == "baseline")]
+    budget = int(t.at["baseline", "peak_reserved"]) - 1
+    small = replace(advice, budget=budget, table=rerank(accum, budget, margin=0.0))
+    console = Console(record=True, width=400)
+    console.print(small)
+    lines = console.export_text().splitlines()
+    shown = [p for p in small.table.index[small.table["fits"]]][:3]
+    assert len(shown) == 3 and small.best == shown[0]
+    for plan in shown:
+        at, settings = lines.index(f"{plan}:"), small.settings(plan)
+        assert lines[at + 1:at + 1 + len(settings)] == [f"  {s}" for s in settings]
+        assert lines[at + 1 + len(settings)] == f"  † changes what training computes: {t.at[plan, 'changes']}"
