@@ -1,7 +1,7 @@
 """What makes one sample's gradient depend on the other samples of its batch.
 
 Gradient accumulation over K micro-batches gives the whole batch's gradient
-only where the loss is a sum (or a mean) of per-sample terms. Two common kinds
+only where the loss is a sum (or a mean) of per-sample terms. Common kinds
 of training are not, and K micro-batches then train something else:
 
 * batch normalization in training mode normalizes each sample with the mean
@@ -11,20 +11,27 @@ of training are not, and K micro-batches then train something else:
 * products over pairs of samples: an in-batch contrastive loss's (N, N)
   similarities (CLIP; SimCLR's NT-Xent over its two views joined, 2N), a
   triplet loss's pairwise distances: each sample meets only the others of its
-  micro-batch, 1/K as many negatives.
+  micro-batch, 1/K as many negatives;
+* other statistics of the batch: a mean over the samples fed back to each
+  (``z - z.mean(0)``), a variance or a norm over them (Barlow Twins' and
+  VICReg's standardization and variance terms). A mean over the samples that
+  is not fed back (a loss's) is the micro-batches' sum, divided by K.
 
-Both show in the autograd graph behind the loss, on any device and without
+They show in the autograd graph behind the loss, on any device and without
 running anything (nothing saved is unpacked, so no checkpoint recomputes and
 no offloaded tensor comes back): a batch norm's backward node that saved
 ``training=True``; a matrix product (``mm``, ``addmm``, a one-matrix ``bmm``
 as ``einsum`` makes, ``cdist``) of two tensors that carry gradients and are no
 parameters, into an (n, n) matrix, or an elementwise operator broadcasting an
 (n, 1, ...) tensor against a (1, n, ...) one, where n is 1-4 times the
-leading size of the batch. A parameter, its cast or its transpose is no
-sample: a linear layer with as many outputs as the batch has rows couples
-nothing. Not found: samples mixed otherwise (a minibatch standard deviation,
-a sort over the batch), and products with an operand that carries no
-gradient (a frozen encoder's features: its graph does not say what it is).
+leading size of the batch; a variance, standard deviation or norm over the
+first dimension of such a tensor, or a mean or sum over it that an
+elementwise operator combines with a tensor of n rows. A parameter, its cast
+or its transpose is no sample: a linear layer with as many outputs as the
+batch has rows couples nothing. Not found: samples mixed otherwise
+(StyleGAN's minibatch standard deviation over groups of the batch, a sort
+over the batch), and products with an operand that carries no gradient (a
+frozen encoder's features: its graph does not say what it is).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class Coupling(str, Enum):
 
     BATCH_NORM = "batch_norm"
     PAIRS = "pairs"
+    BATCH_STATISTICS = "batch_statistics"
 
 
 #: Nodes that pass a tensor on as it is, but for its view, dtype or layout: a parameter behind
@@ -50,6 +58,12 @@ _PASSING = frozenset({"TBackward0", "TransposeBackward0", "TransposeBackward1", 
                       "UnsafeViewBackward0", "ReshapeAliasBackward0", "ToCopyBackward0", "ExpandBackward0",
                       "CloneBackward0", "AliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
                       "SqueezeBackward1", "SqueezeBackward2"})
+#: Reductions that are sums over what they reduce: over the samples, a statistic of the batch only where
+#: its result is fed back to each sample (a loss's mean over the samples is K micro-batches' sum).
+_SUMS = frozenset({"MeanBackward0", "MeanBackward1", "SumBackward0", "SumBackward1"})
+#: Reductions that are not: over the samples, each micro-batch's is another (a variance, a norm).
+_SPREADS = frozenset({"VarBackward0", "StdBackward0", "VarMeanBackward0", "StdMeanBackward0",
+                      "LinalgVectorNormBackward0"})
 #: Products whose last two output dimensions are the rows of their two operands.
 _PRODUCTS = {"MmBackward0": (0, 1), "AddmmBackward0": (1, 2), "BmmBackward0": (0, 1), "CdistBackward0": (0, 1),
              "EuclideanDistBackward0": (0, 1)}
@@ -89,6 +103,8 @@ def _kind(node: Any, sizes: set[int], expanded: set) -> Coupling | None:
         return Coupling.BATCH_NORM if getattr(node, "_saved_training", True) is True else None
     if not sizes:
         return None
+    if name in _SPREADS:
+        return Coupling.BATCH_STATISTICS if _over_samples(node, sizes) else None
     out = _shape(node, 0)
     if out is None or len(out) < 2 or not sizes.intersection(out):
         return None
@@ -110,7 +126,41 @@ def _kind(node: Any, sizes: set[int], expanded: set) -> Coupling | None:
         a, b = (_shape(f, nr) for f, nr in node.next_functions)
         if a is not None and b is not None and _outer(out, a, b, sizes):
             return Coupling.PAIRS if not any(_parameter(f) for f in operands) else None
+        if a is not None and b is not None and out[0] in sizes and any(
+                len(x) == len(out) and x[0] == out[0] and (len(y) < len(out) or y[0] == 1) and _sum_over_samples(f, sizes)
+                for x, (y, f) in ((a, (b, operands[1])), (b, (a, operands[0])))):
+            return Coupling.BATCH_STATISTICS  # a mean over the samples fed back to each: x - x.mean(0)
     return None
+
+
+def _sum_over_samples(node: Any, sizes: set[int]) -> bool:
+    """Whether ``node`` is, through views and casts, a mean or sum over the samples (:func:`_over_samples`)."""
+    for _ in range(16):
+        name = type(node).__name__
+        if name in _SUMS:
+            return _over_samples(node, sizes)
+        if name not in _PASSING:
+            return False
+        nxt = [f for f, _ in node.next_functions if f is not None]
+        if len(nxt) != 1:
+            return False
+        node = nxt[0]
+    return False
+
+
+def _over_samples(reduction: Any, sizes: set[int]) -> bool:
+    """Whether ``reduction`` reduces the first dimension of a tensor that leads with samples and is
+    no parameter (a weight's norm over its rows, as weight normalization takes it, is no statistic
+    of the batch)."""
+    if not reduction.next_functions or reduction.next_functions[0][0] is None:
+        return False
+    operand, nr = reduction.next_functions[0]
+    shape = _shape(operand, nr)
+    if not shape or shape[0] not in sizes or _parameter(operand):
+        return False
+    dims = getattr(reduction, "_saved_dim", None)  # none saved: every dimension (x.mean(), x.std())
+    dims = (dims,) if isinstance(dims, int) else dims
+    return not dims or any(d % len(shape) == 0 for d in dims)
 
 
 def _shape(node: Any, nr: int) -> list[int] | None:
@@ -162,4 +212,8 @@ def what_changes(found: dict[str, int], k: int | str) -> str:
     if n:
         parts.append(f"in-batch pairs ({n} product{'s' * (n > 1)} over the batch's samples: a contrastive loss's "
                      f"similarities, pairwise distances) meet 1/{k} of the other samples")
+    n = found.get(Coupling.BATCH_STATISTICS.value, 0)
+    if n:
+        parts.append(f"statistics of the batch ({n} over its samples: a mean fed back to each, a variance, a norm) are "
+                     f"taken over 1/{k} of the samples")
     return "; ".join(parts)

@@ -213,6 +213,8 @@ def test_track_simulates_the_script(name, tmp_path):
     assert (peak["optimizer_state"] > 0) == (name not in {"word-lm-transformer", "word-lm-lstm", "lstm-lm",
                                                           "jit-scripted-rnn"})
     assert "Traceback" not in stderr
+    coupling = report["meta"].get("sample_coupling", {})
+    assert coupling == COUPLING.get(name, {}), coupling
 
 
 def test_megatron_style_fused_functions_free_what_they_saved(tmp_path):
@@ -368,12 +370,20 @@ def test_advise_ranks_plans_for_the_script(name, tmp_path):
         assert "accum2" in plans and "torch.distributed" in advice["baseline"]["meta"]["simulation_notes"]
 
 
-#: What makes a sample's gradient depend on the others of its batch in each script's step (memprof.coupling):
-#: its batch norms in training mode, its products over pairs of samples (CLIP's image-text similarities).
-COUPLING = {"vision-reference": {"batch_norm": 20}, "ddp-classifier": {"batch_norm": 20}, "dcgan": {"batch_norm": 7},
-            "prefetch-classifier": {"batch_norm": 8}, "conformer-asr": {"batch_norm": 2}, "raft-flow": {"batch_norm": 15},
-            "tabnet-ghost-bn": {"batch_norm": 233}, "swa-cifar": {"batch_norm": 19},
-            "threaded-prefetch": {"batch_norm": 20}, "clip-contrastive": {"pairs": 1}}
+#: What makes a sample's gradient depend on the others of its batch in each script's step (memprof.coupling),
+#: at the SMALL sizes: its batch norms in training mode, its products over pairs of samples (CLIP's
+#: image-text similarities, a triplet loss's distances), its statistics over the batch. None elsewhere.
+COUPLING = {
+    "vision-reference": {"batch_norm": 20}, "ddp-classifier": {"batch_norm": 20}, "wgan-gp": {"batch_norm": 3},
+    "dcgan": {"batch_norm": 7}, "prefetch-classifier": {"batch_norm": 8}, "cuda-conveniences": {"batch_norm": 2},
+    "maskrcnn-detection": {"batch_norm": 53}, "deeplab-segmentation": {"batch_norm": 61}, "r3d-video": {"batch_norm": 20},
+    "maml-second-order": {"batch_norm": 44}, "moco-clip": {"batch_norm": 53, "pairs": 1}, "audio-cnn": {"batch_norm": 8},
+    "simclr-lars": {"pairs": 1, "batch_norm": 53}, "dcgan-specnorm": {"batch_norm": 5}, "yolo-detect": {"batch_norm": 57},
+    "conformer-asr": {"batch_norm": 2}, "raft-flow": {"batch_norm": 15}, "tabnet-ghost-bn": {"batch_norm": 233},
+    "swa-cifar": {"batch_norm": 19}, "threaded-prefetch": {"batch_norm": 20}, "clip-contrastive": {"pairs": 1},
+    "triplet-embed": {"pairs": 1, "batch_norm": 21}, "byol-ema": {"batch_norm": 22}, "airbench-cifar": {"batch_norm": 6},
+    "imagenet-example-one-gpu": {"batch_norm": 20},
+}
 
 
 #: What each script does already, as ``memprof advise`` reports it (``script_does``), at the SMALL sizes.

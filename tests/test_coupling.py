@@ -76,6 +76,25 @@ def test_batch_norm_in_training_mode_is_found_in_each_layer():
     assert sample_coupling(net(x).sum(), {N}) == {}
 
 
+def test_statistics_over_the_batch_are_found_where_they_are_no_sum_of_the_samples():
+    a, b = _features()
+    standardized = (a - a.mean(0)) / a.std(0)  # Barlow Twins: a mean fed back to each sample, and a deviation
+    assert sample_coupling(standardized.square().sum(), {N}) == {"batch_statistics": 2}
+    assert sample_coupling((a - a.mean(0, keepdim=True)).square().sum(), {N}) == {"batch_statistics": 1}
+    assert sample_coupling(F.relu(1 - (b.var(dim=0) + 1e-4).sqrt()).mean(), {N}) == {"batch_statistics": 1}  # VICReg
+    # A loss's mean over the samples is the micro-batches' sum; a norm or mean over each sample's features,
+    # a weight's norm over its rows (weight normalization, as many outputs as samples) are no statistic of the batch
+    assert sample_coupling(F.mse_loss(a, b), {N}) == {}
+    assert sample_coupling((a - a.mean(-1, keepdim=True)).square().mean(), {N}) == {}
+    assert sample_coupling((a * (a.square().mean(-1, keepdim=True) + 1e-6).rsqrt()).sum(), {N}) == {}
+    torch.manual_seed(0)
+    normed = nn.utils.parametrizations.weight_norm(nn.Linear(16, N))
+    assert sample_coupling(normed(torch.randn(N, 16)).sum(), {N}) == {}
+    x = torch.randn(N, 16, requires_grad=True)  # WGAN-GP: each sample's gradient norm
+    penalty = torch.autograd.grad(normed(x).sum(), x, create_graph=True)[0].norm(2, dim=1)
+    assert sample_coupling((penalty - 1).square().mean(), {N}) == {}
+
+
 def test_what_changes_says_it_for_k_micro_batches():
     assert what_changes({}, 4) == ""
     assert what_changes({"batch_norm": 3}, 4) == (
@@ -84,6 +103,9 @@ def test_what_changes_says_it_for_k_micro_batches():
         "batch norm (3 in training mode) normalizes each micro-batch with its own statistics, of 1/2 of the "
         "samples; in-batch pairs (1 product over the batch's samples: a contrastive loss's similarities, "
         "pairwise distances) meet 1/2 of the other samples")
+    assert what_changes({"batch_statistics": 1}, 8) == (
+        "statistics of the batch (1 over its samples: a mean fed back to each, a variance, a norm) are taken over 1/8 "
+        "of the samples")
     assert Accumulation(8).changes({"pairs": 2}) == what_changes({"pairs": 2}, 8)
     assert Autocast("bf16").changes({"pairs": 2}) == Checkpointing().changes({"batch_norm": 1}) == ""
 
