@@ -121,7 +121,12 @@ def _kind(node: Any, sizes: set[int], expanded: set) -> Coupling | None:
             return None  # not square over the samples, or a batch of matrices (attention's scores per head)
         i, j = _PRODUCTS[name]
         pair = operands[i:j + 1] if len(operands) > j else []
-        return Coupling.PAIRS if len(pair) == 2 and all(f is not None and not _parameter(f) for f in pair) else None
+        if len(pair) != 2 or any(f is None or _parameter(f) for f in pair):
+            return None
+        # Two square matrices of the batch's size multiplied are matrices, not samples (a flow's 1x1
+        # convolution's weight made of its LU factors, as many channels as the batch's samples)
+        first = _shape(pair[0], node.next_functions[i][1])
+        return None if first is None or first[-1] == out[-1] else Coupling.PAIRS
     if len(operands) == 2 and all(f is not None for f in operands):
         a, b = (_shape(f, nr) for f, nr in node.next_functions)
         if a is not None and b is not None and _outer(out, a, b, sizes):
@@ -160,7 +165,8 @@ def _over_samples(reduction: Any, sizes: set[int]) -> bool:
         return False
     dims = getattr(reduction, "_saved_dim", None)  # none saved: every dimension (x.mean(), x.std())
     dims = (dims,) if isinstance(dims, int) else dims
-    return not dims or any(d % len(shape) == 0 for d in dims)
+    # Saved as unsigned 64-bit integers where negative (dim=-1 reads 2**64 - 1)
+    return not dims or any((d - (1 << 64) if d >= 1 << 63 else d) % len(shape) == 0 for d in dims)
 
 
 def _shape(node: Any, nr: int) -> list[int] | None:

@@ -50,6 +50,12 @@ def test_per_sample_losses_and_parameters_couple_nothing():
         assert sample_coupling(square(x).float().sum(), {N}) == {}
     a, b = _features()
     assert sample_coupling((a @ nn.Linear(N, 32).weight).sum(), {N}) == {}  # (N, 32) @ (32, N): a weight
+    # Glow's 1x1 convolution: its weight the product of its LU factors, made of parameters and constant masks,
+    # with as many channels as the batch has samples: matrices, not samples
+    lower, upper = nn.Parameter(torch.randn(N, N)), nn.Parameter(torch.randn(N, N))
+    mask = torch.ones(N, N).tril(-1)
+    weight = (lower * mask + torch.eye(N)) @ (upper * mask.T + torch.diag(torch.ones(N)))
+    assert sample_coupling(F.conv2d(torch.randn(2, N, 4, 4), weight[:, :, None, None]).sum(), {N}) == {}
     # Attention's scores per head, (batch, heads, T, T) with T = N: a batch of matrices, pairs of tokens
     q = torch.randn(2, 4, N, 16, requires_grad=True) * 1
     assert sample_coupling((q @ q.transpose(-1, -2)).softmax(-1).sum(), {2}) == {}
@@ -90,6 +96,8 @@ def test_statistics_over_the_batch_are_found_where_they_are_no_sum_of_the_sample
     torch.manual_seed(0)
     normed = nn.utils.parametrizations.weight_norm(nn.Linear(16, N))
     assert sample_coupling(normed(torch.randn(N, 16)).sum(), {N}) == {}
+    caps = torch.randn(N, 10, 16, requires_grad=True) * 1  # each capsule's length (dim=-1, saved as 2**64 - 1)
+    assert sample_coupling(caps.norm(dim=-1).sum(), {N, 10, 16}) == {}
     x = torch.randn(N, 16, requires_grad=True)  # WGAN-GP: each sample's gradient norm
     penalty = torch.autograd.grad(normed(x).sum(), x, create_graph=True)[0].norm(2, dim=1)
     assert sample_coupling((penalty - 1).square().mean(), {N}) == {}
