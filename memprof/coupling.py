@@ -140,17 +140,8 @@ def _kind(node: Any, sizes: set[int], expanded: set) -> Coupling | None:
 
 def _sum_over_samples(node: Any, sizes: set[int]) -> bool:
     """Whether ``node`` is, through views and casts, a mean or sum over the samples (:func:`_over_samples`)."""
-    for _ in range(16):
-        name = type(node).__name__
-        if name in _SUMS:
-            return _over_samples(node, sizes)
-        if name not in _PASSING:
-            return False
-        nxt = [f for f, _ in node.next_functions if f is not None]
-        if len(nxt) != 1:
-            return False
-        node = nxt[0]
-    return False
+    node = _source(node)
+    return node is not None and type(node).__name__ in _SUMS and _over_samples(node, sizes)
 
 
 def _over_samples(reduction: Any, sizes: set[int]) -> bool:
@@ -194,16 +185,19 @@ def _dim_pairs(rank: int) -> list[tuple[int, int]]:
 
 def _parameter(node: Any) -> bool:
     """Whether ``node`` leads to a leaf tensor (a parameter) through views and casts alone."""
+    return type(_source(node)).__name__ == "AccumulateGrad"
+
+
+def _source(node: Any) -> Any:
+    """The first node behind ``node`` that is no view or cast of one tensor (:data:`_PASSING`), or None."""
     for _ in range(16):
-        if type(node).__name__ == "AccumulateGrad":
-            return True
         if type(node).__name__ not in _PASSING:
-            return False
+            return node
         nxt = [f for f, _ in node.next_functions if f is not None]
         if len(nxt) != 1:
-            return False
+            return None
         node = nxt[0]
-    return False
+    return None
 
 
 def what_changes(found: dict[str, int], k: int | str) -> str:
