@@ -481,13 +481,13 @@ def advice_html(advice: "Advice", verified: pd.DataFrame | None = None, title: s
     next to predicted where ``verified``, default ``advice.verified``, has
     them), the recommendation, then the baseline's report. ``advice``: an
     :class:`~memprof.advisor.Advice` or a :class:`~memprof.script_advice.ScriptAdvice`."""
+    from .advisor import changes_notes
+
     if verified is None:
         verified = getattr(advice, "verified", None)
     script = getattr(advice, "script", "")
     title = title or (f"memprof advice for {script}" if script else "memprof advice")
     where = f"{'simulated ' if getattr(advice, 'simulated', True) else ''}{advice.gpu.name}"
-    from .advisor import changes_notes
-
     best = advice.best
     if best is None:
         verdict = f"No plan fits {fmt_bytes(advice.budget)} per rank; more ranks or a larger GPU would."

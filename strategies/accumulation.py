@@ -16,7 +16,8 @@ class Accumulation(Strategy):
     Activation memory divides by about k; each micro-batch's loss is divided
     by k, so the gradients equal the full batch's (up to float rounding) where
     each sample's loss depends on that sample alone: not with batch norm in
-    training mode or in-batch pairs (:meth:`changes`).
+    training mode, in-batch pairs or other statistics of the batch
+    (:meth:`changes`).
     """
 
     def __init__(self, k: int) -> None:
