@@ -651,18 +651,20 @@ def advise(
     if "baseline" not in plans:  # every plan is judged against the step as it is
         plans = {"baseline": list, **plans}
     preds: dict[str, Any] = {}
+    changes: dict[str, str] = {}
     with _progress(progress, len(plans)) as advance:
         baseline = _simulate_groups(make_workload, plans, gpu, steps, advance, jobs, preds)
         if baseline is not None and not isinstance(preds["baseline"], Exception):
+            changes = {name: plan_changes(plan(), baseline) for name, plan in plans.items()}
             # Plans whose allocated memory fits but whose reserved memory does not: again with
             # expandable segments, which may reserve less (not always: strategies/allocator.py).
-            changing = {name for name, plan in plans.items() if plan_changes(plan(), baseline)}
-            extra = fragmented(preds, nbytes, margin, changing)
+            extra = fragmented(preds, nbytes, margin, {name for name, c in changes.items() if c})
             if extra:
                 advance.more(len(extra))
                 _simulate_groups(make_workload, {n: plans[p] for n, p in extra.items()}, gpu, steps, advance, jobs,
                                  preds, expandable=True)
                 plans = {**plans, **{n: _with_expandable(plans[p]) for n, p in extra.items()}}
+                changes.update({n: changes[p] for n, p in extra.items()})  # the segments change no operator
     # One line per reason: a batch that accumulation cannot split fails every accumulation plan alike.
     failed: dict[str, list[str]] = {}
     for name, pred in preds.items():
@@ -673,8 +675,7 @@ def advise(
     if baseline is None or isinstance(preds["baseline"], Exception):
         raise RuntimeError("the baseline step could not be simulated; see the warnings above")
     rows = [(name, preds[name]) for name in plans if not isinstance(preds[name], Exception)]
-    table = rank(rows, preds["baseline"], baseline, nbytes, margin,
-                 {name: plan_changes(plans[name](), baseline) for name, _ in rows})
+    table = rank(rows, preds["baseline"], baseline, nbytes, margin, changes)
     return Advice(nbytes, gpu, world_size, table, baseline, plans)
 
 

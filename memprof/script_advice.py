@@ -1577,7 +1577,8 @@ def advise_script(
     if "baseline" not in preds:  # every plan is ranked against it
         raise ScriptError(f"memprof could not take the script's step as it is: {schedule.failed.get('baseline')}")
     asked = schedule.facts is not None and schedule.facts.expandable_segments  # by the script itself
-    changing = {name for name in preds if plan_changes(built[name], baseline)}
+    changes = {name: plan_changes(built[name], baseline) for name in preds}
+    changing = {name for name, c in changes.items() if c}
     extra = fragmented(preds, nbytes, margin, changing) if simulate and not asked else {}
     if extra:
         # Plans whose allocated memory fits but whose reserved memory does not: the script again, with
@@ -1593,13 +1594,13 @@ def advise_script(
         for name, plan in extra.items():
             built[name] = [*built[plan], ExpandableSegments()]
             plans = {**plans, name: _with_expandable(plans[plan])}
+            changes[name] = changes[plan]  # the segments change no operator
             if plan in got:
                 preds[name] = got[plan]
             elif plan in more.failed:
                 schedule.failed[name] = more.failed[plan]
     _coupled_batches(built, preds, schedule.skipped)
-    table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin,
-                 {name: plan_changes(built[name], baseline) for name in preds})
+    table = rank(list(preds.items()), preds["baseline"], baseline, nbytes, margin, changes)
     return ScriptAdvice(nbytes, gpu, world_size, table, baseline, plans, script=str(path), simulated=simulate,
                         applied=built, facts=schedule.facts, failed=schedule.failed, skipped=schedule.skipped,
                         cache_excess=schedule.cache_excess, evaluation=schedule.evaluation_peak,
