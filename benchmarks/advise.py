@@ -150,7 +150,7 @@ def check(out: Path, verified: list[Path] | None = None) -> pd.DataFrame:
     ``verified``: the measurements (default ``advise-verified.json``, checked into
     ``advise-check.json``; ``advise-verified-day4.json`` into ``advise-check-day4.json``); with
     several (days), each plan's step time is their mean and its peak their largest, checked into
-    ``advise-check-mean.json``."""
+    ``advise-check-mean.json`` (two days) or ``advise-check-mean-N-days.json``."""
     predicted = json.loads((out / "advise-predicted.json").read_text())
     paths = verified or [out / "advise-verified.json"]
     measured = _merged([json.loads(p.read_text())["measured"] for p in paths])
@@ -203,7 +203,7 @@ def check(out: Path, verified: list[Path] | None = None) -> pd.DataFrame:
         totals[bound] = {"plans": int(len(e)), "median_abs_error": float(e.median()) if len(e) else None,
                          "worst_abs_error": float(e.max()) if len(e) else None,
                          "within_15": int((e <= 0.15).sum()), "within_30": int((e <= 0.30).sum())}
-    name = ("advise-check-mean.json" if len(paths) > 1 else
+    name = (f"advise-check-mean{'' if len(paths) == 2 else f'-{len(paths)}-days'}.json" if len(paths) > 1 else
             "advise-check" + paths[0].stem.removeprefix("advise-verified") + ".json")  # -day4: advise-check-day4.json
     (out / name).write_text(json.dumps(
         {"verified": [p.name for p in paths], "totals": totals, "cases": summary.to_dict(orient="records"),
