@@ -129,7 +129,7 @@ def _cmd_track(args: argparse.Namespace, console: Console) -> int:
 
 def _advise_after_oom(args: argparse.Namespace, console: Console) -> None:
     """The script ran out of the simulated GPU's memory: say what the advisor would change to fit it."""
-    from .advisor import changes_notes
+    from .advisor import recommendation_notes
     from .script_advice import advise_script
 
     gpu = get_gpu(args.target).name
@@ -150,12 +150,12 @@ def _advise_after_oom(args: argparse.Namespace, console: Console) -> None:
           f"{fmt_bytes(row['peak_reserved'])} reserved (simulated); `memprof advise` shows the others")
     for change in advice.code_change():
         _line(console, f"  - {change}")
-    for note in changes_notes(advice.table):
+    for note in recommendation_notes(advice.table):
         _line(console, f"memprof: {note}")
 
 
 def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
-    from .advisor import changes_notes, parse_budget
+    from .advisor import recommendation_notes, parse_budget
     from .script_advice import advise_script, verify_script
 
     if args.world_size < 1:
@@ -206,7 +206,7 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
               f"step time {100 * (row['slowdown'] - 1):+.0f} % vs now" + (" (simulated)" if simulate else ""))
         for change in advice.code_change():
             _line(console, f"  - {change}")
-    for note in changes_notes(advice.table):
+    for note in recommendation_notes(advice.table):
         _line(console, f"memprof: {note}")
     if args.verify:
         if not torch.cuda.is_available():

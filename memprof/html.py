@@ -481,7 +481,7 @@ def advice_html(advice: "Advice", verified: pd.DataFrame | None = None, title: s
     next to predicted where ``verified``, default ``advice.verified``, has
     them), the recommendation, then the baseline's report. ``advice``: an
     :class:`~memprof.advisor.Advice` or a :class:`~memprof.script_advice.ScriptAdvice`."""
-    from .advisor import changes_notes
+    from .advisor import recommendation_notes
 
     if verified is None:
         verified = getattr(advice, "verified", None)
@@ -495,7 +495,7 @@ def advice_html(advice: "Advice", verified: pd.DataFrame | None = None, title: s
         changes = "".join(f"<li>{html.escape(c)}</li>" for c in getattr(advice, "code_change", lambda: [])())
         verdict = f"Recommended: <b>{html.escape(best)}</b>, the fastest plan that fits."
         verdict += f"<ul>{changes}</ul>" if changes else ""
-        verdict += "".join(f"</p><p>{html.escape(note)}" for note in changes_notes(advice.table))
+        verdict += "".join(f"</p><p>{html.escape(note)}" for note in recommendation_notes(advice.table))
     left_out = {**getattr(advice, "skipped", {}), **getattr(advice, "failed", {})}
     missing = "".join(f"<li><code>{html.escape(n)}</code>: {html.escape(w)}</li>" for n, w in left_out.items())
     figures = {"plan-plot": advice_figure(advice, verified)}

@@ -651,6 +651,40 @@ def test_small_steps_are_host_bound_and_large_ones_device_bound():
     assert f"{1e3 * a.table.loc['baseline', 'seconds']:.1f} ms*" in text and "* host-bound" in text
 
 
+def test_plans_close_behind_a_host_bound_recommendation_are_named():
+    """Where the host bounds a step, plans that fit within CLOSE_CALL of the recommended one's
+    time are named with it: the prediction cannot order them. Device-bound pairs, slower
+    plans, plans that do not fit and plans that change the training are not."""
+    import pandas as pd
+
+    from memprof.advisor import CLOSE_CALL, recommendation_notes, rerank
+
+    names = ["baseline", "bf16+ckpt", "bf16+accum2", "bf16+accum4", "bf16", "accum2"]
+    table = pd.DataFrame({
+        "peak_allocated": [9, 4, 5, 3, 8, 5], "peak_reserved": [10 * MiB, 5 * MiB, 6 * MiB, 4 * MiB, 9 * MiB, 6 * MiB],
+        "seconds": [0.400, 0.1677, 0.1771, 0.2000, 0.1170, 0.1900],
+        "slowdown": 1.0, "device_share": [1.0, 0.82, 0.83, 0.62, 1.0, 0.95], "changes": "",
+    }, index=pd.Index(names, name="plan"))
+    note = ("bf16+ckpt and bf16+accum2 (6 % slower) are close, and the host bounds a step among them (*): which is "
+            "faster follows the host's speed on the day; measure them on the GPU (memprof advise --verify, memprof.verify)")
+    # bf16 does not fit; bf16+accum4 is 19 % slower, past CLOSE_CALL; accum2 (13 % slower) is named
+    # only because the recommendation is host-bound.
+    ranked = rerank(table, 8 * MiB)
+    assert CLOSE_CALL == 0.15 and list(ranked.index[ranked["fits"]])[:2] == ["bf16+ckpt", "bf16+accum2"]
+    assert recommendation_notes(ranked) == [note.replace("(6 % slower)", "(6 % slower), accum2 (13 % slower)")]
+    # Both device-bound: the prediction orders them; nothing to say.
+    device = table.assign(device_share=[1.0, 0.95, 0.96, 0.62, 1.0, 0.95])
+    assert recommendation_notes(rerank(device, 8 * MiB)) == []
+    # A device-bound recommendation with a host-bound plan close behind: named.
+    mixed = table.assign(device_share=[1.0, 0.95, 0.83, 0.62, 1.0, 0.95])
+    assert recommendation_notes(rerank(mixed, 8 * MiB)) == [note]
+    # A plan that changes what training computes is no alternative, close or not.
+    changing = table.assign(changes=["", "", "", "", "", "normalizes each micro-batch with its own statistics"])
+    assert recommendation_notes(rerank(changing, 8 * MiB)) == [note]
+    # Nothing fits: nothing to say.
+    assert recommendation_notes(rerank(table, MiB)) == []
+
+
 def test_micro_batches_derived_from_the_first_equal_running_them(monkeypatch):
     """Every default plan (and the step as it is, tracked), with its later
     micro-batches replayed from the first's events as a later one's, gives
