@@ -155,7 +155,7 @@ def _advise_after_oom(args: argparse.Namespace, console: Console) -> None:
 
 
 def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
-    from .advisor import recommendation_notes, parse_budget
+    from .advisor import parse_budget, recommendation_notes
     from .script_advice import advise_script, verify_script
 
     if args.world_size < 1:
