@@ -1036,7 +1036,9 @@ def verify(
     By default the baseline and the ``top`` fastest plans that fit. Columns:
     predicted and measured peak allocated/reserved and step time (median of
     ``steps``; ``measured_spread``: the slowest less the fastest of them, over
-    the median), and the measured saving against the measured baseline. A plan
+    the median; ``predicted_device_share``: below :data:`HOST_BOUND` the host
+    bounds the step, and its measured time moves with the host's speed), and
+    the measured saving against the measured baseline. A plan
     that runs out of memory is reported as such.
 
     The plans run one after another in this process, each on a fresh build
@@ -1070,6 +1072,7 @@ def verify(
                 "predicted_peak_reserved": int(pred["peak_reserved"]),
                 "measured_peak_reserved": measured["peak_reserved"],
                 "predicted_seconds": float(pred["seconds"]),
+                "predicted_device_share": float(pred.get("device_share", float("nan"))),
                 "measured_seconds": measured["seconds"],
                 "measured_spread": measured["spread"],
                 "fits_budget": measured["peak_reserved"] <= advice.budget,

@@ -236,11 +236,15 @@ def _cmd_advise(args: argparse.Namespace, console: Console) -> int:
 
 
 def _verified_table(df: pd.DataFrame) -> Table:
-    """Predicted next to measured, per plan run for real."""
+    """Predicted next to measured, per plan run for real; a host-bound prediction marked ``*``."""
     from rich import box
 
+    from .advisor import HOST_BOUND, HOST_BOUND_NOTE, step_time
+
+    shares = df.get("predicted_device_share", pd.Series(dtype=float))
     t = Table(title="measured on this GPU", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0),
-              show_edge=False)
+              show_edge=False, caption=f"* {HOST_BOUND_NOTE}" if (shares < HOST_BOUND).any() else None,
+              caption_justify="left")
     # The measured steps' own spread (slowest less fastest, over their median) next to the
     # error: a host-bound step moves by itself from run to run, and an error within it is noise.
     for col in ("plan", "reserved\npredicted", "reserved\nmeasured", "step\npredicted", "step\nmeasured",
@@ -252,7 +256,8 @@ def _verified_table(df: pd.DataFrame) -> Table:
             continue
         spread = r.get("measured_spread")
         t.add_row(str(name), fmt_bytes(r["predicted_peak_reserved"]), fmt_bytes(r["measured_peak_reserved"]),
-                  f"{1e3 * r['predicted_seconds']:.1f} ms", f"{1e3 * r['measured_seconds']:.1f} ms",
+                  step_time({"seconds": r["predicted_seconds"], "device_share": r.get("predicted_device_share", 1.0)}),
+                  f"{1e3 * r['measured_seconds']:.1f} ms",
                   f"{100 * (r['predicted_seconds'] / r['measured_seconds'] - 1):+.0f} %",
                   "" if spread is None or pd.isna(spread) else f"{100 * spread:.0f} %",
                   "yes" if r["fits_budget"] else "no")

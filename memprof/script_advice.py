@@ -1739,6 +1739,7 @@ def verify_script(advice: ScriptAdvice, args: Sequence[str] = (), *, top: int = 
             "predicted_peak_allocated": int(pred["peak_allocated"]),
             "measured_peak_allocated": got["peak_allocated"],
             "predicted_seconds": float(pred["seconds"]),
+            "predicted_device_share": float(pred.get("device_share", float("nan"))),
             "measured_seconds": measured_seconds,
             "time_error": float(pred["seconds"]) / measured_seconds - 1,
             "measured_spread": got["spread"],

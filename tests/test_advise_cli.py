@@ -976,6 +976,7 @@ def test_verify_measures_each_plan_in_a_fresh_run(tmp_path):
     assert base["measured_peak_allocated"] == base["predicted_peak_allocated"]
     # The steps measured after the first: a spread of two or more steps, a number >= 0.
     assert all(v["measured_spread"] >= 0 for v in verified.values())
+    assert all(0 < v["predicted_device_share"] <= 1 for v in verified.values())
 
 
 def test_verified_plans_show_their_step_time_error():
@@ -987,14 +988,26 @@ def test_verified_plans_show_their_step_time_error():
 
     df = pd.DataFrame([
         {"plan": "accum2", "predicted_peak_reserved": 3 * 2**30, "measured_peak_reserved": 3 * 2**30 + 2**29,
-         "predicted_seconds": 0.110, "measured_seconds": 0.100, "measured_spread": 0.07, "fits_budget": True},
+         "predicted_seconds": 0.110, "predicted_device_share": 0.98, "measured_seconds": 0.100,
+         "measured_spread": 0.07, "fits_budget": True},
+        {"plan": "accum4", "predicted_peak_reserved": 2 * 2**30, "measured_peak_reserved": 2 * 2**30,
+         "predicted_seconds": 0.150, "predicted_device_share": 0.6, "measured_seconds": 0.200,
+         "measured_spread": 0.3, "fits_budget": True},
         {"plan": "ckpt", "error": "OutOfMemoryError: CUDA out of memory."},
     ]).set_index("plan")
     console = Console(width=200, record=True)
     console.print(_verified_table(df))
-    lines = [line.split() for line in console.export_text().splitlines()]
+    text = console.export_text()
+    lines = [line.split() for line in text.splitlines()]
     assert ["accum2", "3.00", "GiB", "3.50", "GiB", "110.0", "ms", "100.0", "ms", "+10", "%", "7", "%", "yes"] in lines
+    # A host-bound prediction is marked, and the caption says what the mark means.
+    assert ["accum4", "2.00", "GiB", "2.00", "GiB", "150.0", "ms*", "200.0", "ms", "-25", "%", "30", "%", "yes"] in lines
+    assert "* host-bound: the host issuing kernels" in text
     assert ["ckpt", "OutOfMemoryError:", "CUDA", "out", "of", "memory.", "no"] in lines
+    # Without host-bound predictions (or without the column), no mark and no caption.
+    console = Console(width=200, record=True)
+    console.print(_verified_table(df.drop(index="accum4").drop(columns="predicted_device_share")))
+    assert "*" not in console.export_text()
 
 
 def _advise_with_targets(tmp_path, *targets: str, loss: str = "torch.nn.functional.cross_entropy(model(x), y)",
