@@ -8,7 +8,7 @@ from rich.console import Console
 from torch import nn
 
 import memprof
-from memprof.advisor import Advice, recommendation_notes, plan_changes, plan_table, rerank
+from memprof.advisor import Advice, plan_changes, plan_table, recommendation_notes, rerank
 from memprof.coupling import sample_coupling, what_changes
 from memprof.devices import get_gpu
 from memprof.strategies import Accumulation, Autocast, Checkpointing
@@ -152,12 +152,14 @@ def test_plans_that_change_the_training_rank_after_those_that_fit_and_do_not():
     table = _table({"accum2": bn, "accum4": what_changes({"batch_norm": 2}, 4)})
     ranked = rerank(table, budget=int(6.5 * MiB))
     assert list(ranked.index) == ["ckpt", "accum2", "accum4", "baseline"]
-    assert recommendation_notes(ranked) == [f"accum2 is 20 % faster than ckpt and fits, but changes what training computes: {bn}"]
+    assert recommendation_notes(ranked) == [
+        f"accum2 is 20 % faster than ckpt and fits, but changes what training computes: {bn}"]
     # Only a plan that changes the training fits: it is the advice, said as such
     ranked = rerank(table, budget=int(4.5 * MiB))
     assert list(ranked.index) == ["accum4", "ckpt", "accum2", "baseline"]
-    assert recommendation_notes(ranked) == ["accum4 changes what training computes, and no plan that fits trains the same "
-                                     f"model: {what_changes({'batch_norm': 2}, 4)}"]
+    assert recommendation_notes(ranked) == [
+        f"accum4 changes what training computes, and no plan that fits trains the same model: "
+        f"{what_changes({'batch_norm': 2}, 4)}"]
     # Nothing changed: ranked by time alone, nothing to say
     ranked = rerank(_table({}), budget=int(6.5 * MiB))
     assert list(ranked.index) == ["accum2", "accum4", "ckpt", "baseline"] and recommendation_notes(ranked) == []
