@@ -774,7 +774,7 @@ def _close_call_note(table: pd.DataFrame, best: str) -> str:
     if "device_share" not in table:
         return ""
     # Plans that change what training computes are no alternative to one that does not (rerank).
-    changes = table["changes"].fillna("").astype(bool) if "changes" in table else pd.Series(False, table.index)
+    changes = _changing(table)
     host = table["device_share"] < HOST_BOUND
     t = table[table["fits"] & (changes == changes[best]) & (host | host[best])
               & (table["seconds"] <= table.at[best, "seconds"] * (1 + CLOSE_CALL))]
@@ -784,6 +784,11 @@ def _close_call_note(table: pd.DataFrame, best: str) -> str:
     behind = ", ".join(f"{p} ({100 * (t.at[p, 'seconds'] / table.at[best, 'seconds'] - 1):.0f} % slower)" for p in close)
     return (f"{best} and {behind} are close, and the host bounds a step among them (*): which is faster follows "
             "the host's speed on the day; measure them on the GPU (memprof advise --verify, memprof.verify)")
+
+
+def _changing(table: pd.DataFrame) -> pd.Series:
+    """Per plan of ``table``, whether it changes what training computes (its ``changes`` column)."""
+    return table["changes"].fillna("").astype(bool) if "changes" in table else pd.Series(False, table.index)
 
 
 def rank(rows: list, base, baseline: Report, budget: int, margin: float,
@@ -824,7 +829,7 @@ def rerank(table: pd.DataFrame, budget: int, margin: float = 0.05) -> pd.DataFra
     us = (t["seconds"] * 1e6).round()
     if "baseline" in t.index:
         us["baseline"] = round(t.at["baseline", "seconds"] * (1 - KEEP) * 1e6)
-    other = t["changes"].fillna("").astype(bool) if "changes" in t else False
+    other = _changing(t)
     key = pd.DataFrame({"other": other, "us": us, "change": t.index != "baseline"}, index=t.index)
     fits = key[t["fits"]].sort_values(["other", "us", "change"], kind="stable").index
     return pd.concat([t.loc[fits], t[~t["fits"]].sort_values("peak_reserved", kind="stable")])
@@ -930,7 +935,7 @@ def plan_table(advice: "Advice", table: pd.DataFrame | None = None, where: str |
                "reserved below the baseline (the step as it is)")
     if "device_share" in table and (table["device_share"] < HOST_BOUND).any():
         caption += f"\n* {HOST_BOUND_NOTE}"
-    changing = table["changes"].fillna("").astype(bool) if "changes" in table else pd.Series(False, table.index)
+    changing = _changing(table)
     if changing.any():
         caption += (f"\n{CHANGES_MARK} changes what training computes, so ranked after the plans that fit and do not: "
                     + what_changes(advice.baseline.meta.get("sample_coupling") or {}, "K") + " (K: its micro-batches)")
